@@ -1,0 +1,58 @@
+"""taskdedup: stop duplicate work in Celery and RQ task queues, with state in Redis.
+
+Every task call gets a deterministic identity (task name + canonical arguments, SHA-256);
+a Redis lock per identity moves through reserve → claim → complete/release, one Lua call per
+step, fenced by the task id. Integrations: :mod:`taskdedup.celery`, :mod:`taskdedup.rq`.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+from .core import Deduplicator
+from .events import DedupEvent, Event
+from .exceptions import (
+    ConfigurationError,
+    DuplicateTaskError,
+    IdempotencyKeyMismatch,
+    StoreUnavailableError,
+    TaskDedupError,
+)
+from .fingerprint import FINGERPRINT_VERSION, fingerprint, register_canonical
+from .policy import Mode, OnDuplicate, OnStoreError, Policy, disable, enable, is_disabled
+from .stores import MemoryStore, RedisStore, Store
+
+try:
+    __version__ = version("taskdedup")
+except PackageNotFoundError:  # pragma: no cover - running from a source tree
+    __version__ = "0.0.0"
+
+__all__ = [
+    # Identity
+    "fingerprint",
+    "register_canonical",
+    "FINGERPRINT_VERSION",
+    # Policy
+    "Policy",
+    "Mode",
+    "OnDuplicate",
+    "OnStoreError",
+    "disable",
+    "enable",
+    "is_disabled",
+    # Engine and stores
+    "Deduplicator",
+    "Store",
+    "RedisStore",
+    "MemoryStore",
+    # Events
+    "Event",
+    "DedupEvent",
+    # Errors
+    "TaskDedupError",
+    "DuplicateTaskError",
+    "StoreUnavailableError",
+    "IdempotencyKeyMismatch",
+    "ConfigurationError",
+    "__version__",
+]

@@ -1,0 +1,423 @@
+"""Celery integration: ``DedupTask`` (the enqueue gate) and signal handlers (the worker guard).
+
+Usage::
+
+    @app.task(base=DedupTask, dedup=Policy(ttl=600))
+    def charge(user_id, amount): ...
+
+The caller computes the identity, reserves it (one round trip) and puts the lock key in the
+message headers, so the worker never recomputes it. On the worker, ``before_start`` claims
+the lock (and skips the body of a duplicate with :class:`DuplicateExecution`, an ``Ignore``),
+and Celery's signals complete or release it: ``task_success``, ``task_failure`` (also sent by
+the main process for a lost worker or a hard time limit), ``task_retry``, ``task_revoked``
+and ``task_postrun`` (for ``Ignore``/``Reject``).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime, timezone
+from typing import Any
+
+import redis
+from celery import Celery, Task, signals
+from celery.exceptions import Ignore, Retry
+
+from .core import Deduplicator, Identity, Verdict
+from .events import logger
+from .exceptions import ConfigurationError, DuplicateTaskError, StoreUnavailableError
+from .policy import Mode, OnDuplicate, Policy, is_disabled
+from .stores.base import Store
+from .stores.redis import RedisStore
+
+__all__ = ["DedupTask", "DuplicateExecution", "HEADER", "get_deduplicator"]
+
+HEADER = "taskdedup"
+"""Message header carrying ``{"task": name, "key": lock key}`` or ``{"task": name, "off": 1}``."""
+
+_NO_RESERVE = "_taskdedup_no_reserve"
+_STATE_ATTR = "_taskdedup"
+_CALLBACK_OPTIONS = ("link", "link_error", "chain", "chord", "group_id")
+_STORE_RETRY_COUNTDOWN = 5.0
+
+
+class DuplicateExecution(Ignore):
+    """Raised in ``before_start`` to skip a duplicate's body: Celery marks it IGNORED.
+
+    It is not a failure: no error result is stored, no errbacks run, the message is acked.
+    """
+
+
+class DedupTask(Task):  # type: ignore[misc]
+    """Celery task base class that deduplicates calls per :class:`taskdedup.Policy`.
+
+    Declare with ``@app.task(base=DedupTask, dedup=Policy(...))``; without ``dedup`` the
+    default ``Policy()`` applies, ``dedup=False`` turns it off for the task. Per call,
+    ``apply_async`` also takes ``dedup=False`` (bypass gate and guard), ``dedup=Policy(...)``
+    (override) and ``dedup_key="..."`` (an explicit idempotency key).
+    """
+
+    dedup: Policy | Mapping[str, Any] | bool | None = None
+    _dedup_policy: Policy | None = None
+    _dedup_func: Callable[..., Any] | None = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        raw = cls.__dict__.get("dedup", None)
+        if "dedup" not in cls.__dict__ and cls._dedup_policy is not None:
+            return  # inherited from a configured base
+        policy = Policy() if raw is None else Policy.coerce(raw)
+        cls._dedup_policy = policy
+        run = cls.__dict__.get("run")
+        func = getattr(run, "__func__", run)
+        if policy is not None and callable(func):
+            _check_names(cls, func, policy)
+
+    # -- enqueue gate ---------------------------------------------------------------------
+
+    def apply_async(
+        self,
+        args: Sequence[Any] | None = None,
+        kwargs: Mapping[str, Any] | None = None,
+        task_id: str | None = None,
+        producer: Any = None,
+        link: Any = None,
+        link_error: Any = None,
+        shadow: str | None = None,
+        **options: Any,
+    ) -> Any:
+        override = options.pop("dedup", None)
+        dedup_key = options.pop("dedup_key", None)
+        no_reserve = options.pop(_NO_RESERVE, False)
+
+        def publish(task_id: str | None, headers: dict[str, Any] | None) -> Any:
+            if headers is not None:
+                options["headers"] = headers
+            return super(DedupTask, self).apply_async(
+                args, kwargs, task_id, producer, link, link_error, shadow, **options
+            )
+
+        policy = self._dedup_policy if override is None else Policy.coerce(override)
+        if policy is None or is_disabled():
+            headers = dict(options.get("headers") or {})
+            headers[HEADER] = {"task": self.name, "off": 1}
+            return publish(task_id, headers)
+
+        headers = dict(options.get("headers") or {})
+        carried = _carried_key(headers.get(HEADER), self.name)
+        dedup = get_deduplicator(self.app)
+        if carried is not None:  # a retry or a republish: same identity, same id
+            identity = Identity(carried)
+        else:
+            identity = dedup.identity(
+                self.name, policy, args or (), kwargs, func=self._func(), dedup_key=dedup_key
+            )
+        headers[HEADER] = {"task": self.name, "key": identity.key}
+        if not policy.mode.gates_enqueue or no_reserve:
+            return publish(task_id, headers)
+
+        task_id = task_id or str(uuid.uuid4())
+        ttl_ms = _reservation_ttl_ms(policy, options)
+        result = dedup.gate(self.name, policy, identity, task_id, ttl_ms=ttl_ms)
+        if result.verdict is Verdict.DUPLICATE:
+            return self._on_duplicate(policy, identity.key, result.existing_id, link, link_error,
+                                      options)
+        if result.verdict is Verdict.REPLACED and result.existing_id:
+            self._revoke(result.existing_id)
+        try:
+            return publish(task_id, headers)
+        except BaseException:
+            if result.verdict is not Verdict.UNGUARDED:
+                dedup.release(self.name, identity.key, task_id, reason="publish_failed")
+            raise
+
+    def _on_duplicate(
+        self, policy: Policy, key: str, existing_id: str | None, link: Any, link_error: Any,
+        options: Mapping[str, Any],
+    ) -> Any:
+        carried = [name for name in _CALLBACK_OPTIONS if options.get(name)]
+        carried += [n for n, v in (("link", link), ("link_error", link_error)) if v]
+        if carried:
+            raise DuplicateTaskError(
+                key, existing_id,
+                f"duplicate task {self.name}: {key} is held by {existing_id!r}, and this call "
+                f"carries {', '.join(sorted(set(carried)))}, which would be lost if it were "
+                "dropped; the workflow was not sent. Enqueue the workflow once, or give the "
+                "call a dedup_key / dedup=False.",
+            )
+        mode = policy.on_duplicate
+        if mode is OnDuplicate.RAISE:
+            raise DuplicateTaskError(key, existing_id)
+        if mode is OnDuplicate.DROP:
+            logger.info("taskdedup: dropped duplicate %s (held by %s)", self.name, existing_id)
+            return None
+        if mode is OnDuplicate.REPLACE:
+            raise DuplicateTaskError(
+                key, existing_id,
+                f"cannot replace {self.name} {existing_id!r}: it has already started or "
+                "finished (replace only takes the place of a queued call)",
+            )
+        return self.AsyncResult(existing_id)
+
+    def _revoke(self, task_id: str) -> None:
+        if self.app.conf.task_always_eager:
+            return
+        try:
+            self.app.control.revoke(task_id)
+        except Exception as exc:  # the claim fence skips it anyway
+            logger.warning("taskdedup: could not revoke replaced task %s: %s", task_id, exc)
+
+    def _func(self) -> Callable[..., Any]:
+        func = self.__dict__.get("_dedup_func")
+        if func is None:
+            func = self.run
+            self.__dict__["_dedup_func"] = func
+        return func  # type: ignore[no-any-return]
+
+    # -- worker guard ---------------------------------------------------------------------
+
+    def before_start(self, task_id: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+        """Claim the running lock; skip the body of a duplicate."""
+        super().before_start(task_id, args, kwargs)
+        request = self.request
+        policy = self._dedup_policy
+        raw = _request_header(request)
+        if policy is None or is_disabled() or _is_off(raw, self.name):
+            return
+        key = _carried_key(raw, self.name)
+        if key is None:  # sent by name, or from a client without taskdedup
+            key = get_deduplicator(self.app).identity(
+                self.name, policy, args, kwargs, func=self._func()
+            ).key
+        dedup = get_deduplicator(self.app)
+        try:
+            result = dedup.start(self.name, policy, key, task_id)
+        except StoreUnavailableError as exc:
+            raise self._retry_later(exc) from exc
+        if result.verdict is Verdict.DUPLICATE:
+            setattr(request, _STATE_ATTR, "skipped")
+            raise DuplicateExecution(
+                f"duplicate of {result.existing_id} ({result.state.value if result.state else '?'})"
+            )
+        if result.verdict is Verdict.ACCEPTED and policy.mode.gates_execution:
+            setattr(request, _STATE_ATTR, key)
+
+    def _retry_later(self, exc: StoreUnavailableError) -> Retry:
+        """Republish this very message for later: never run unguarded, never dropped.
+
+        Unlike ``self.retry`` it does not count against ``max_retries`` and does not touch
+        the reservation (Redis is down).
+        """
+        request = self.request
+        if request.is_eager:
+            raise exc
+        logger.warning(
+            "taskdedup: store unavailable before %s[%s]; retrying in %ss: %s",
+            self.name, request.id, _STORE_RETRY_COUNTDOWN, exc,
+        )
+        sig = self.signature_from_request(request, countdown=_STORE_RETRY_COUNTDOWN)
+        sig.apply_async(**{_NO_RESERVE: True})
+        return Retry(exc=exc, when=_STORE_RETRY_COUNTDOWN, sig=sig)
+
+
+# -- signal handlers (worker side) ---------------------------------------------------------
+
+
+def _dedup_task(sender: Any) -> DedupTask | None:
+    return sender if isinstance(sender, DedupTask) and sender._dedup_policy is not None else None
+
+
+@signals.task_success.connect
+def _on_success(sender: Any = None, **_: Any) -> None:
+    task = _dedup_task(sender)
+    if task is None:
+        return
+    request = task.request
+    key = getattr(request, _STATE_ATTR, None)
+    if key and key != "skipped":
+        get_deduplicator(task.app).finish(
+            task.name, task._dedup_policy, key, request.id, success=True  # type: ignore[arg-type]
+        )
+
+
+@signals.task_failure.connect
+def _on_failure(
+    sender: Any = None, task_id: str | None = None, args: Any = None, kwargs: Any = None, **_: Any
+) -> None:
+    task = _dedup_task(sender)
+    if task is None or task_id is None:
+        return
+    key = _key_for(task, task_id, args, kwargs)
+    if key:
+        get_deduplicator(task.app).release(task.name, key, task_id, reason="failed")
+
+
+@signals.task_retry.connect
+def _on_retry(sender: Any = None, request: Any = None, **_: Any) -> None:
+    task = _dedup_task(sender)
+    if task is None or request is None:
+        return
+    key = getattr(request, _STATE_ATTR, None)
+    if key and key != "skipped":  # the retry's publish re-reserved it; just stop renewing
+        get_deduplicator(task.app).stop_heartbeat(key, request.id)
+
+
+@signals.task_revoked.connect
+def _on_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
+    task = _dedup_task(sender)
+    if task is None or request is None:
+        return
+    raw = (getattr(request, "request_dict", None) or {}).get(HEADER)
+    key = _carried_key(raw, task.name) or getattr(request, _STATE_ATTR, None)
+    if key is None and not _is_off(raw, task.name):
+        key = _recompute(task, request.args, request.kwargs)
+    if key and key != "skipped":
+        get_deduplicator(task.app).release(task.name, key, request.id, reason="revoked")
+
+
+@signals.task_postrun.connect
+def _on_postrun(sender: Any = None, task_id: str | None = None, state: str | None = None,
+                **_: Any) -> None:
+    if state not in ("IGNORED", "REJECTED"):
+        return
+    task = _dedup_task(sender)
+    if task is None or task_id is None:
+        return
+    key = getattr(task.request, _STATE_ATTR, None)
+    if key and key != "skipped":
+        get_deduplicator(task.app).release(task.name, key, task_id, reason=state.lower())
+
+
+def _key_for(task: DedupTask, task_id: str, args: Any, kwargs: Any) -> str | None:
+    """The lock key of ``task_id``, in the pool process or in the worker's main process."""
+    request = task.request
+    if request is not None and request.id == task_id:
+        key = getattr(request, _STATE_ATTR, None)
+        if key is not None:
+            return None if key == "skipped" else str(key)
+        raw = _request_header(request)
+        if _is_off(raw, task.name):
+            return None
+        carried = _carried_key(raw, task.name)
+        if carried is not None:
+            return carried
+    # Main process after a lost worker or a hard time limit, without the request: recompute.
+    # (An explicit dedup_key cannot be recomputed; that lock frees itself within ``lease``.)
+    return _recompute(task, args, kwargs)
+
+
+def _recompute(task: DedupTask, args: Any, kwargs: Any) -> str | None:
+    policy = task._dedup_policy
+    if policy is None or args is None:
+        return None
+    try:
+        return get_deduplicator(task.app).identity(
+            task.name, policy, args, kwargs, func=task._func()
+        ).key
+    except Exception:
+        return None
+
+
+# -- helpers -------------------------------------------------------------------------------
+
+
+def _request_header(request: Any) -> Any:
+    headers = getattr(request, "headers", None)
+    if headers and HEADER in headers:
+        return headers[HEADER]
+    return getattr(request, HEADER, None)
+
+
+def _carried_key(raw: Any, task_name: str) -> str | None:
+    if isinstance(raw, Mapping) and raw.get("task") == task_name and raw.get("key"):
+        return str(raw["key"])
+    return None
+
+
+def _is_off(raw: Any, task_name: str) -> bool:
+    return isinstance(raw, Mapping) and raw.get("task") == task_name and bool(raw.get("off"))
+
+
+def _reservation_ttl_ms(policy: Policy, options: Mapping[str, Any]) -> int:
+    """``ttl`` plus the countdown/ETA delay, capped by ``expires`` (ETA-aware TTL)."""
+    now = datetime.now(timezone.utc)
+    delay = 0.0
+    countdown, eta, expires = options.get("countdown"), options.get("eta"), options.get("expires")
+    if countdown:
+        delay = float(countdown)
+    elif isinstance(eta, datetime):
+        delay = (_aware(eta) - now).total_seconds()
+    elif isinstance(eta, str):
+        delay = (_aware(datetime.fromisoformat(eta)) - now).total_seconds()
+    ttl_ms = policy.ttl_ms + max(0, int(delay * 1000))
+    expires_in: float | None = None
+    if isinstance(expires, (int, float)):
+        expires_in = float(expires)
+    elif isinstance(expires, datetime):
+        expires_in = (_aware(expires) - now).total_seconds()
+    if expires_in is not None and expires_in > 0:
+        ttl_ms = min(ttl_ms, int(expires_in * 1000) + 1000)
+    return max(1, ttl_ms)
+
+
+def _aware(value: datetime) -> datetime:
+    return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+
+
+def _check_names(cls: type, func: Callable[..., Any], policy: Policy) -> None:
+    import inspect
+
+    names = policy.include or policy.exclude
+    if not names:
+        return
+    params = inspect.signature(func).parameters
+    unknown = sorted(n for n in names if n not in params)
+    if unknown:
+        which = "include" if policy.include else "exclude"
+        raise ConfigurationError(
+            f"{cls.__name__}: Policy.{which} names {', '.join(map(repr, unknown))}, which "
+            f"are not parameters of the task (it takes {', '.join(params) or 'none'})"
+        )
+
+
+def get_deduplicator(app: Celery) -> Deduplicator:
+    """The app's :class:`~taskdedup.core.Deduplicator`, built once from its configuration.
+
+    Store: ``app.conf.taskdedup_store`` (a Store or a ready redis client), else
+    ``app.conf.taskdedup_url``, else ``TASKDEDUP_URL``, else the broker URL when it is Redis.
+    Key prefix: ``app.conf.taskdedup_prefix`` (default ``taskdedup``).
+    """
+    dedup: Deduplicator | None = app.__dict__.get("_taskdedup")
+    if dedup is None:
+        prefix = app.conf.get("taskdedup_prefix") or "taskdedup"
+        dedup = Deduplicator(_store_for(app), prefix=prefix)
+        app.__dict__["_taskdedup"] = dedup
+    return dedup
+
+
+def _store_for(app: Celery) -> Store:
+    conf = app.conf
+    ready = conf.get("taskdedup_store")
+    if ready is not None:
+        if isinstance(ready, Store):
+            return ready
+        if isinstance(ready, redis.Redis):
+            return RedisStore(ready)
+        raise ConfigurationError(
+            f"app.conf.taskdedup_store must be a taskdedup Store or a redis.Redis client, "
+            f"got {type(ready).__name__}"
+        )
+    url = conf.get("taskdedup_url") or os.environ.get("TASKDEDUP_URL")
+    if not url:
+        broker = conf.broker_url if isinstance(conf.broker_url, str) else ""
+        if broker.split("://", 1)[0] in ("redis", "rediss", "valkey", "valkeys"):
+            url = broker.split(";", 1)[0]
+    if not url:
+        raise ConfigurationError(
+            "taskdedup needs a Redis server for its locks: set app.conf.taskdedup_url "
+            "(or the TASKDEDUP_URL environment variable) to a redis:// URL; the broker "
+            f"({(conf.broker_url or 'unset').split('://', 1)[0]}://) is not Redis"
+        )
+    return RedisStore.from_url(str(url))

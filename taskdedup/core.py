@@ -1,0 +1,334 @@
+"""The state machine over a Store, independent of any task framework.
+
+Integrations (``taskdedup.celery``, ``taskdedup.rq``) call a :class:`Deduplicator` at four
+points: :meth:`~Deduplicator.gate` when a call is enqueued, :meth:`~Deduplicator.start` when a
+worker is about to run the body, :meth:`~Deduplicator.finish` when it is over, and
+:meth:`~Deduplicator.release` when a queued call is abandoned (publish failed, revoked).
+Each of these is one store transition (one Redis round trip). Decisions about store errors
+(``on_store_error``) are taken here so every integration behaves alike.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from .events import Counters, DedupEvent, Event, Events, logger
+from .exceptions import IdempotencyKeyMismatch, StoreUnavailableError
+from .fingerprint import fingerprint, fingerprint_value
+from .policy import Mode, OnDuplicate, OnStoreError, Policy
+from .stores.base import LockState, Outcome, Store
+
+__all__ = ["Deduplicator", "Identity", "Verdict", "GateResult", "StartResult", "Heartbeat"]
+
+DEFAULT_PREFIX = "taskdedup"
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """Where a call's lock lives. ``check`` is the argument digest kept for explicit keys."""
+
+    key: str
+    check: str = ""
+
+
+class Verdict(str, Enum):
+    """What the gate or the worker guard decided."""
+
+    ACCEPTED = "accepted"
+    """Go ahead: the lock is held by this call."""
+    DUPLICATE = "duplicate"
+    """Another id holds the identity (``existing_id``); do not enqueue / do not run."""
+    REPLACED = "replaced"
+    """on_duplicate=replace displaced the queued ``existing_id``; go ahead and revoke it."""
+    UNGUARDED = "unguarded"
+    """The store was unavailable and on_store_error='allow': go ahead without dedup."""
+
+
+@dataclass(frozen=True, slots=True)
+class GateResult:
+    verdict: Verdict
+    existing_id: str | None = None
+    state: LockState | None = None
+
+
+StartResult = GateResult
+
+
+class Deduplicator:
+    """Computes identities and moves their locks through reserve → claim → complete/release.
+
+    Args:
+        store: where locks live (a :class:`~taskdedup.stores.RedisStore` in production).
+        prefix: first component of every key (``{prefix}:{scope}:{task}:{digest}``).
+    """
+
+    def __init__(self, store: Store, *, prefix: str = DEFAULT_PREFIX) -> None:
+        if not prefix or ":" in prefix:
+            raise ValueError("prefix must be a non-empty string without ':'")
+        self.store = store
+        self.prefix = prefix
+        self.events = Events()
+        self.counters = Counters()
+        self.events.add(self.counters)
+        self._heartbeat: Heartbeat | None = None
+        self._heartbeat_pid = 0
+        self._heartbeat_lock = threading.Lock()
+
+    # -- identity -------------------------------------------------------------------------
+
+    def identity(
+        self,
+        name: str,
+        policy: Policy,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        *,
+        func: Callable[..., Any] | None = None,
+        dedup_key: Any = None,
+    ) -> Identity:
+        """The lock key of one call; raises ``TypeError`` for arguments without identity."""
+        scope = policy.scope
+        check = ""
+        if dedup_key is not None:
+            digest = fingerprint_value(name, dedup_key, scope=scope)
+            check = fingerprint(name, args, kwargs, func=func, scope=scope)
+        elif policy.key is not None:
+            digest = fingerprint_value(name, policy.key(*args, **(kwargs or {})), scope=scope)
+        else:
+            digest = fingerprint(
+                name, args, kwargs, func=func,
+                include=policy.include, exclude=policy.exclude, scope=scope,
+            )
+        return Identity(self.lock_key(name, digest, scope), check)
+
+    def lock_key(self, name: str, digest: str, scope: str | None = None) -> str:
+        if scope:
+            return f"{self.prefix}:{scope}:{name}:{digest}"
+        return f"{self.prefix}:{name}:{digest}"
+
+    # -- enqueue --------------------------------------------------------------------------
+
+    def gate(
+        self,
+        name: str,
+        policy: Policy,
+        identity: Identity,
+        owner: str,
+        *,
+        ttl_ms: int | None = None,
+    ) -> GateResult:
+        """Reserve ``identity`` for ``owner`` at enqueue (one round trip).
+
+        Raises:
+            IdempotencyKeyMismatch: an explicit key is held with other arguments.
+            StoreUnavailableError: Redis is down and ``on_store_error='raise'``.
+        """
+        ttl_ms = ttl_ms or policy.ttl_ms
+        started = time.perf_counter()
+        try:
+            if policy.on_duplicate is OnDuplicate.REPLACE:
+                result = self.store.replace(identity.key, owner, ttl_ms, identity.check)
+            else:
+                result = self.store.reserve(identity.key, owner, ttl_ms, identity.check)
+        except StoreUnavailableError as exc:
+            return self._store_error(name, policy, identity.key, owner, exc, "enqueue")
+        seconds = time.perf_counter() - started
+        outcome = result.outcome
+        if outcome is Outcome.ACQUIRED:
+            self._emit(Event.RESERVED, name, identity.key, owner, seconds=seconds)
+            return GateResult(Verdict.ACCEPTED)
+        if outcome is Outcome.REPLACED:
+            self._emit(Event.DUPLICATE, name, identity.key, owner, result.owner, "replaced", seconds)
+            logger.info("taskdedup: %s replaced queued task %s with %s", name, result.owner, owner)
+            return GateResult(Verdict.REPLACED, result.owner, result.state)
+        if outcome is Outcome.MISMATCH:
+            self._emit(Event.DUPLICATE, name, identity.key, owner, result.owner, "mismatch", seconds)
+            raise IdempotencyKeyMismatch(identity.key, result.owner)
+        self._emit(Event.DUPLICATE, name, identity.key, owner, result.owner, None, seconds)
+        return GateResult(Verdict.DUPLICATE, result.owner, result.state)
+
+    # -- worker ---------------------------------------------------------------------------
+
+    def start(self, name: str, policy: Policy, key: str, owner: str) -> StartResult:
+        """Guard a body about to run: claim the running lock and start its heartbeat.
+
+        ``until_executing`` does not gate execution: its reservation is released here and
+        the body always runs.
+
+        Raises:
+            StoreUnavailableError: Redis is down and ``on_store_error='raise'``; the
+                integration must retry the task later, never run it unguarded.
+        """
+        if policy.mode is Mode.UNTIL_EXECUTING:
+            self.release(name, key, owner, reason="started")
+            return StartResult(Verdict.ACCEPTED)
+        try:
+            result = self.store.claim(key, owner, policy.lease_ms)
+        except StoreUnavailableError as exc:
+            return self._store_error(name, policy, key, owner, exc, "start")
+        if result.outcome is Outcome.ACQUIRED:
+            self._emit(Event.CLAIMED, name, key, owner)
+            self.heartbeat().add(name, key, owner, policy.lease_ms)
+            return StartResult(Verdict.ACCEPTED)
+        state = result.state.value if result.state else "?"
+        self._emit(Event.SKIPPED, name, key, owner, result.owner, state)
+        logger.info(
+            "taskdedup: skipped %s[%s]: identity %s is %s by %s",
+            name, owner, key, _STATE_WORDS.get(result.state, "held"), result.owner,
+        )
+        return StartResult(Verdict.DUPLICATE, result.owner, result.state)
+
+    def finish(self, name: str, policy: Policy, key: str, owner: str, *, success: bool) -> None:
+        """The body is over: complete (success) or release (final failure).
+
+        Store errors are logged, not raised: the lock then frees itself within ``lease``.
+        """
+        self.stop_heartbeat(key, owner)
+        if policy.mode is Mode.UNTIL_EXECUTING:
+            return
+        if not success:
+            self.release(name, key, owner, reason="failed")
+            return
+        ttl_ms = policy.ttl_ms if policy.mode is Mode.UNTIL_EXPIRED else 0
+        try:
+            outcome = self.store.complete(key, owner, ttl_ms)
+        except StoreUnavailableError as exc:
+            self._emit(Event.STORE_ERROR, name, key, owner, detail="complete")
+            logger.warning("taskdedup: could not complete %s[%s]: %s", name, owner, exc)
+            return
+        if outcome is Outcome.OK:
+            self._emit(Event.COMPLETED, name, key, owner)
+        else:
+            self._emit(Event.LEASE_LOST, name, key, owner, detail="complete")
+            logger.warning(
+                "taskdedup: %s[%s] finished after its lock %s expired (lease %.1fs too short?)",
+                name, owner, key, policy.lease,
+            )
+
+    def release(self, name: str, key: str, owner: str, *, reason: str) -> bool:
+        """Compare-and-delete ``key`` for ``owner``; True when it was ours. Never raises."""
+        self.stop_heartbeat(key, owner)
+        try:
+            outcome = self.store.release(key, owner)
+        except StoreUnavailableError as exc:
+            self._emit(Event.STORE_ERROR, name, key, owner, detail=f"release:{reason}")
+            logger.warning("taskdedup: could not release %s[%s] (%s): %s", name, owner, reason, exc)
+            return False
+        if outcome is Outcome.OK:
+            self._emit(Event.RELEASED, name, key, owner, detail=reason)
+            return True
+        return False
+
+    # -- heartbeat ------------------------------------------------------------------------
+
+    def heartbeat(self) -> Heartbeat:
+        """This process's heartbeat thread (a new one after a fork)."""
+        pid = os.getpid()
+        if self._heartbeat is None or self._heartbeat_pid != pid:
+            with self._heartbeat_lock:
+                if self._heartbeat is None or self._heartbeat_pid != pid:
+                    self._heartbeat = Heartbeat(self)
+                    self._heartbeat_pid = pid
+        return self._heartbeat
+
+    def stop_heartbeat(self, key: str, owner: str) -> None:
+        if self._heartbeat is not None and self._heartbeat_pid == os.getpid():
+            self._heartbeat.remove(key, owner)
+
+    # -- helpers --------------------------------------------------------------------------
+
+    def _store_error(
+        self, name: str, policy: Policy, key: str, owner: str, exc: StoreUnavailableError,
+        where: str,
+    ) -> GateResult:
+        self._emit(Event.STORE_ERROR, name, key, owner, detail=where)
+        if policy.on_store_error is OnStoreError.ALLOW:
+            logger.warning(
+                "taskdedup: store unavailable at %s of %s[%s]; proceeding WITHOUT dedup "
+                "(on_store_error='allow'): %s", where, name, owner, exc,
+            )
+            return GateResult(Verdict.UNGUARDED)
+        raise exc
+
+    def _emit(
+        self, event: Event, name: str, key: str, owner: str | None,
+        existing_id: str | None = None, detail: str | None = None, seconds: float | None = None,
+    ) -> None:
+        self.events.emit(DedupEvent(event, name, key, owner, existing_id, detail, seconds))
+
+
+_STATE_WORDS = {LockState.QUEUED: "queued", LockState.RUNNING: "running", LockState.DONE: "done"}
+
+
+class Heartbeat:
+    """Renews the running locks of this process every ``lease / 3`` from a daemon thread.
+
+    A lock found no longer ours is reported as ``lease_lost`` and dropped from the set; the
+    body keeps running (it cannot be stopped safely), and its completion will not touch
+    the new owner's lock (fencing).
+    """
+
+    def __init__(self, dedup: Deduplicator) -> None:
+        self._dedup = dedup
+        self._cond = threading.Condition()
+        self._due: dict[tuple[str, str], tuple[float, int, str]] = {}
+        self._thread: threading.Thread | None = None
+
+    def add(self, name: str, key: str, owner: str, lease_ms: int) -> None:
+        with self._cond:
+            self._due[(key, owner)] = (time.monotonic() + lease_ms / 3000, lease_ms, name)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="taskdedup-heartbeat", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify()
+
+    def remove(self, key: str, owner: str) -> None:
+        with self._cond:
+            self._due.pop((key, owner), None)
+
+    def __len__(self) -> int:
+        return len(self._due)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                now = time.monotonic()
+                due = [(k, v) for k, v in self._due.items() if v[0] <= now]
+                if not due:
+                    wait = min((v[0] for v in self._due.values()), default=now + 60) - now
+                    self._cond.wait(timeout=max(0.005, wait))
+                    continue
+                for k, (_, lease_ms, name) in due:
+                    self._due[k] = (now + lease_ms / 3000, lease_ms, name)
+            for (key, owner), (_, lease_ms, name) in due:
+                self._beat(name, key, owner, lease_ms)
+
+    def _beat(self, name: str, key: str, owner: str, lease_ms: int) -> None:
+        dedup = self._dedup
+        try:
+            outcome = dedup.store.heartbeat(key, owner, lease_ms)
+        except StoreUnavailableError as exc:
+            dedup._emit(Event.STORE_ERROR, name, key, owner, detail="heartbeat")
+            logger.warning("taskdedup: heartbeat of %s[%s] failed: %s", name, owner, exc)
+            return
+        except Exception:  # the thread must survive anything
+            logger.exception("taskdedup: heartbeat of %s[%s] failed", name, owner)
+            return
+        if outcome is not Outcome.OK:
+            with self._cond:
+                if (key, owner) not in self._due:
+                    return  # finished meanwhile
+                self._due.pop((key, owner), None)
+            dedup._emit(Event.LEASE_LOST, name, key, owner, detail="heartbeat")
+            logger.warning(
+                "taskdedup: %s[%s] lost its lock %s (expired before the heartbeat)",
+                name, owner, key,
+            )

@@ -1,0 +1,106 @@
+"""A closed set of events, and listeners that observe them (metrics, logging, tests).
+
+The core emits one :class:`DedupEvent` per decision. Listeners run inline and must be cheap;
+an exception in a listener is logged and never reaches the task or the caller.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+
+__all__ = ["Event", "DedupEvent", "Listener", "Events", "Counters", "logger"]
+
+logger = logging.getLogger("taskdedup")
+
+
+class Event(str, Enum):
+    """Everything taskdedup reports. The set is closed: listeners can match exhaustively."""
+
+    RESERVED = "reserved"
+    """An enqueue was accepted and its identity reserved."""
+    DUPLICATE = "duplicate"
+    """An enqueue was a duplicate (returned, raised, dropped or replaced per on_duplicate)."""
+    CLAIMED = "claimed"
+    """A worker took the running lock; the body runs."""
+    SKIPPED = "skipped"
+    """A worker found the identity held by another id (or done): the body did not run."""
+    COMPLETED = "completed"
+    """The body succeeded; the lock was released or kept as done for ``ttl``."""
+    RELEASED = "released"
+    """The lock was released: final failure, revoke, reject, ignore, replace, publish error."""
+    LEASE_LOST = "lease_lost"
+    """A running lock was no longer ours at heartbeat or completion (it had expired)."""
+    STORE_ERROR = "store_error"
+    """Redis could not be reached; what followed is per ``on_store_error``."""
+
+
+@dataclass(frozen=True, slots=True)
+class DedupEvent:
+    """One occurrence. Never carries argument values."""
+
+    event: Event
+    task: str
+    key: str
+    task_id: str | None = None
+    existing_id: str | None = None
+    detail: str | None = None
+    seconds: float | None = None
+    """Time the store call took (gate latency), when measured."""
+
+
+Listener = Callable[[DedupEvent], None]
+
+
+class Events:
+    """The listeners of one :class:`~taskdedup.core.Deduplicator`."""
+
+    def __init__(self) -> None:
+        self._listeners: tuple[Listener, ...] = ()
+
+    def add(self, listener: Listener) -> Listener:
+        """Register ``listener`` (usable as a decorator); returns it."""
+        self._listeners = (*self._listeners, listener)
+        return listener
+
+    def remove(self, listener: Listener) -> None:
+        self._listeners = tuple(x for x in self._listeners if x is not listener)
+
+    def emit(self, event: DedupEvent) -> None:
+        for listener in self._listeners:
+            try:
+                listener(event)
+            except Exception:  # a listener must never break a task
+                logger.exception("taskdedup event listener %r failed", listener)
+
+
+class Counters:
+    """In-process counts per (task, event): no Redis round trip, read with :meth:`snapshot`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: Counter[tuple[str, Event]] = Counter()
+
+    def __call__(self, event: DedupEvent) -> None:
+        with self._lock:
+            self._counts[(event.task, event.event)] += 1
+
+    def get(self, event: Event, task: str | None = None) -> int:
+        with self._lock:
+            return sum(n for (t, e), n in self._counts.items() if e is event and task in (None, t))
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        """``{task: {event: count}}``."""
+        with self._lock:
+            out: dict[str, dict[str, int]] = {}
+            for (task, event), n in self._counts.items():
+                out.setdefault(task, {})[event.value] = n
+            return out
+
+    def reset(self) -> None:
+        with self._lock:
+            self._counts.clear()

@@ -1,0 +1,75 @@
+"""The taskdedup exception tree.
+
+Every error the library raises on purpose derives from :class:`TaskDedupError`, so callers
+can catch one class. Bad arguments to :func:`taskdedup.fingerprint` raise the built-in
+``TypeError`` (they are a programming error, like passing the wrong type to ``json.dumps``),
+and bad configuration raises :class:`ConfigurationError`, which is also a ``ValueError``.
+This module imports nothing else of the package.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "TaskDedupError",
+    "DuplicateTaskError",
+    "StoreUnavailableError",
+    "IdempotencyKeyMismatch",
+    "ConfigurationError",
+]
+
+
+class TaskDedupError(Exception):
+    """Root of every error raised by taskdedup."""
+
+
+class DuplicateTaskError(TaskDedupError):
+    """A call was refused because the same task identity is already held.
+
+    Attributes:
+        key: the Redis key of the identity.
+        existing_id: the task/job id that holds it (the original).
+    """
+
+    def __init__(self, key: str, existing_id: str | None, message: str | None = None) -> None:
+        self.key = key
+        self.existing_id = existing_id
+        super().__init__(
+            message or f"duplicate task: {key} is already held by task id {existing_id!r}"
+        )
+
+    def __reduce__(self) -> tuple[type, tuple[str, str | None, str]]:
+        return (type(self), (self.key, self.existing_id, str(self)))
+
+
+class StoreUnavailableError(TaskDedupError):
+    """The lock store (Redis) could not be reached or answered with an error.
+
+    Raised instead of enqueueing when ``on_store_error="raise"``: nothing was enqueued.
+    The underlying redis error is chained as ``__cause__``.
+    """
+
+
+class IdempotencyKeyMismatch(TaskDedupError):
+    """An explicit ``dedup_key`` was reused with different arguments.
+
+    Like Stripe's idempotency keys, reusing a key for a different request is a client bug:
+    returning the other call's result would be silently wrong.
+    """
+
+    def __init__(self, key: str, existing_id: str | None) -> None:
+        self.key = key
+        self.existing_id = existing_id
+        super().__init__(
+            f"idempotency key reused with different arguments: {key} is held by task id "
+            f"{existing_id!r}, whose arguments differ. Use a new dedup_key for a new request."
+        )
+
+    def __reduce__(self) -> tuple[type, tuple[str, str | None]]:
+        return (type(self), (self.key, self.existing_id))
+
+
+class ConfigurationError(TaskDedupError, ValueError):
+    """A policy or integration was configured in a way that cannot work.
+
+    Raised at declaration time (task decorator, queue constructor), never mid-flight.
+    """

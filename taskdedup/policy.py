@@ -1,0 +1,238 @@
+"""Policy: how a task's identity is gated — the lock mode, windows and conflict strategies.
+
+A :class:`Policy` is immutable and validated when it is built, so a mistake surfaces when the
+task or queue is declared, not when the first message is processed. A ``dict`` with the same
+field names is accepted wherever a Policy is (:meth:`Policy.coerce`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field, fields
+from datetime import timedelta
+from enum import Enum
+from typing import Any
+
+from .exceptions import ConfigurationError
+
+__all__ = [
+    "Mode",
+    "OnDuplicate",
+    "OnStoreError",
+    "Policy",
+    "PolicyLike",
+    "disable",
+    "enable",
+    "is_disabled",
+]
+
+
+class Mode(str, Enum):
+    """When the identity is gated and when its lock is released (SPEC §4)."""
+
+    UNTIL_EXECUTING = "until_executing"
+    """Enqueue gated; released when a worker starts the task."""
+    UNTIL_EXECUTED = "until_executed"
+    """Enqueue and execution gated; released when the task finishes."""
+    UNTIL_EXPIRED = "until_expired"
+    """Enqueue and execution gated; kept ``ttl`` after success, released on final failure."""
+    WHILE_EXECUTING = "while_executing"
+    """Only execution gated: at most one body runs at a time per identity."""
+
+    @property
+    def gates_enqueue(self) -> bool:
+        return self is not Mode.WHILE_EXECUTING
+
+    @property
+    def gates_execution(self) -> bool:
+        return self is not Mode.UNTIL_EXECUTING
+
+
+class OnDuplicate(str, Enum):
+    """What the caller gets when its call is a duplicate."""
+
+    RETURN = "return"
+    """The original's handle (Celery AsyncResult / RQ Job with the original id)."""
+    RAISE = "raise"
+    """:class:`~taskdedup.DuplicateTaskError` with ``.key`` and ``.existing_id``."""
+    DROP = "drop"
+    """``None``; logged at INFO."""
+    REPLACE = "replace"
+    """Debounce: the queued original is revoked and the new call takes its place."""
+
+
+class OnStoreError(str, Enum):
+    """What happens when Redis cannot be reached."""
+
+    RAISE = "raise"
+    """Refuse at enqueue (nothing enqueued); on a worker, retry the task later."""
+    ALLOW = "allow"
+    """Fail open: proceed without dedup, log a WARNING and count it."""
+
+
+Duration = float | int | timedelta
+KeyFunc = Callable[..., Any]
+
+
+def _seconds(name: str, value: Duration) -> float:
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        raise ConfigurationError(
+            f"Policy.{name} must be seconds (int/float) or a timedelta, got {type(value).__name__}"
+        )
+    if not seconds > 0 or seconds == float("inf"):
+        raise ConfigurationError(
+            f"Policy.{name} must be a positive, finite number of seconds, got {value!r}"
+        )
+    return seconds
+
+
+def _enum(enum: type[Enum], name: str, value: Any) -> Any:
+    try:
+        return enum(value)
+    except ValueError:
+        choices = ", ".join(repr(m.value) for m in enum)  # type: ignore[attr-defined]
+        raise ConfigurationError(f"Policy.{name}={value!r} is not one of {choices}") from None
+
+
+def _names(name: str, value: Collection[str] | str | None) -> frozenset[str] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return frozenset((value,))
+    try:
+        names = frozenset(value)
+    except TypeError:
+        raise ConfigurationError(f"Policy.{name} must be a list of argument names") from None
+    if not all(isinstance(n, str) for n in names):
+        raise ConfigurationError(f"Policy.{name} must contain argument names (str)")
+    return names
+
+
+@dataclass(frozen=True)
+class Policy:
+    """How one task (or queue) is deduplicated.
+
+    Args:
+        mode: ``until_executing``, ``until_executed``, ``until_expired`` (default) or
+            ``while_executing`` (see :class:`Mode`).
+        ttl: seconds (or timedelta) a reservation lives while queued, and the window kept after
+            success in ``until_expired``. A countdown/ETA is added to the reservation.
+        lease: seconds a running lock lives without a heartbeat; the worker renews it every
+            ``lease / 3`` while the body runs, so a dead worker's lock frees itself within it.
+        include: only these argument names make the identity.
+        exclude: these argument names do not count.
+        key: a callable taking the task's arguments and returning the identity value.
+        scope: a namespace inserted in the Redis key (e.g. a tenant or an environment).
+        on_duplicate: ``return`` (default), ``raise``, ``drop`` or ``replace``.
+        on_store_error: ``raise`` (default) or ``allow`` (fail open).
+    """
+
+    mode: Mode = Mode.UNTIL_EXPIRED
+    ttl: float = 600.0
+    lease: float = 60.0
+    include: frozenset[str] | None = None
+    exclude: frozenset[str] | None = None
+    key: KeyFunc | None = field(default=None, compare=False)
+    scope: str | None = None
+    on_duplicate: OnDuplicate = OnDuplicate.RETURN
+    on_store_error: OnStoreError = OnStoreError.RAISE
+
+    def __init__(
+        self,
+        mode: Mode | str = Mode.UNTIL_EXPIRED,
+        ttl: Duration = 600.0,
+        lease: Duration = 60.0,
+        include: Collection[str] | None = None,
+        exclude: Collection[str] | None = None,
+        key: KeyFunc | None = None,
+        scope: str | None = None,
+        on_duplicate: OnDuplicate | str = OnDuplicate.RETURN,
+        on_store_error: OnStoreError | str = OnStoreError.RAISE,
+    ) -> None:
+        set_ = object.__setattr__
+        set_(self, "mode", _enum(Mode, "mode", mode))
+        set_(self, "ttl", _seconds("ttl", ttl))
+        set_(self, "lease", _seconds("lease", lease))
+        set_(self, "include", _names("include", include))
+        set_(self, "exclude", _names("exclude", exclude))
+        set_(self, "key", key)
+        set_(self, "scope", scope or None)
+        set_(self, "on_duplicate", _enum(OnDuplicate, "on_duplicate", on_duplicate))
+        set_(self, "on_store_error", _enum(OnStoreError, "on_store_error", on_store_error))
+        self._validate()
+
+    def _validate(self) -> None:
+        if self.include is not None and self.exclude is not None:
+            raise ConfigurationError("Policy: give include or exclude, not both")
+        if self.key is not None and (self.include is not None or self.exclude is not None):
+            raise ConfigurationError(
+                "Policy: key= replaces the whole identity; drop include/exclude or drop key"
+            )
+        if self.key is not None and not callable(self.key):
+            raise ConfigurationError("Policy.key must be a callable taking the task's arguments")
+        if self.scope is not None and (not isinstance(self.scope, str) or ":" in self.scope):
+            raise ConfigurationError("Policy.scope must be a string without ':'")
+        if self.mode is Mode.WHILE_EXECUTING and self.on_duplicate is not OnDuplicate.RETURN:
+            raise ConfigurationError(
+                f"Policy(mode='while_executing', on_duplicate={self.on_duplicate.value!r}): "
+                "while_executing does not gate the enqueue, so on_duplicate never applies; "
+                "use mode='until_executed' (or 'until_executing' for replace) instead"
+            )
+
+    @property
+    def ttl_ms(self) -> int:
+        return max(1, int(self.ttl * 1000))
+
+    @property
+    def lease_ms(self) -> int:
+        return max(1, int(self.lease * 1000))
+
+    @classmethod
+    def coerce(cls, value: PolicyLike) -> Policy | None:
+        """A Policy from a Policy, a dict of its fields, ``True`` (defaults) or ``None``/``False``."""
+        if value is None or value is False:
+            return None
+        if value is True:
+            return cls()
+        if isinstance(value, Policy):
+            return value
+        if isinstance(value, Mapping):
+            known = {f.name for f in fields(cls)}
+            unknown = sorted(set(value) - known)
+            if unknown:
+                raise ConfigurationError(
+                    f"unknown Policy field(s) {', '.join(map(repr, unknown))}; "
+                    f"known: {', '.join(sorted(known))}"
+                )
+            return cls(**value)
+        raise ConfigurationError(
+            f"dedup= must be a taskdedup.Policy, a dict of its fields, True or False; "
+            f"got {type(value).__name__}"
+        )
+
+
+PolicyLike = Policy | Mapping[str, Any] | bool | None
+
+_disabled = False
+
+
+def disable() -> None:
+    """Turn all gating off in this process (for tests): every call goes straight through."""
+    global _disabled
+    _disabled = True
+
+
+def enable() -> None:
+    """Undo :func:`disable`."""
+    global _disabled
+    _disabled = False
+
+
+def is_disabled() -> bool:
+    """True when gating is off, by :func:`disable` or ``TASKDEDUP_DISABLED=1``."""
+    return _disabled or os.environ.get("TASKDEDUP_DISABLED", "") not in ("", "0", "false", "no")

@@ -1,0 +1,115 @@
+"""The store contract: the lock state machine of SPEC §5 over any backend.
+
+One key per task identity. Its value records a state (:class:`LockState`), the owner task
+id (the fencing token) and, for explicit idempotency keys, a digest of the arguments
+(``check``) so that reusing the key with other arguments is detected. Every transition is
+one atomic call that compares the owner before it writes.
+
+Durations are integer milliseconds here (``ttl_ms``/``lease_ms``); the public API converts.
+"""
+
+from __future__ import annotations
+
+from enum import Enum, IntEnum
+from typing import NamedTuple, Protocol, runtime_checkable
+
+__all__ = ["LockInfo", "LockResult", "LockState", "Outcome", "Store"]
+
+
+class Outcome(IntEnum):
+    """What a transition did. The Lua scripts return these integers."""
+
+    ACQUIRED = 1
+    """reserve / claim / replace: the lock is now held by the caller's id."""
+    DUPLICATE = 2
+    """reserve / claim / replace: another id holds it (or it is done by this id)."""
+    MISMATCH = 3
+    """reserve / replace: an explicit key is held with a different argument digest."""
+    OK = 4
+    """heartbeat / complete / release: applied to a lock owned by the caller."""
+    NOT_OWNER = 5
+    """heartbeat / complete / release: the lock is absent or owned by someone else."""
+    REPLACED = 6
+    """replace: a queued original was displaced; ``owner`` is the displaced id."""
+
+
+class LockState(str, Enum):
+    """The state recorded in a lock value (one character in Redis)."""
+
+    QUEUED = "Q"
+    RUNNING = "R"
+    DONE = "D"
+
+
+class LockResult(NamedTuple):
+    """Result of a transition.
+
+    ``owner`` and ``state`` describe the lock as found by the transition when it was not
+    acquired (the original's id for a duplicate), or the displaced owner for ``REPLACED``.
+    """
+
+    outcome: Outcome
+    owner: str | None = None
+    state: LockState | None = None
+
+
+class LockInfo(NamedTuple):
+    """A lock as read by :meth:`Store.get` (for tools, not for decisions)."""
+
+    key: str
+    state: LockState
+    owner: str
+    check: str
+    ttl_ms: int
+
+
+@runtime_checkable
+class Store(Protocol):
+    """Atomic, owner-fenced transitions over lock keys.
+
+    Implementations raise :class:`taskdedup.StoreUnavailableError` when the backend cannot
+    be reached; they never swallow errors.
+    """
+
+    def reserve(self, key: str, owner: str, ttl_ms: int, check: str = "") -> LockResult:
+        """Enqueue gate: absent → QUEUED(owner) for ``ttl_ms``.
+
+        Same owner in QUEUED/RUNNING (a retry or a republish) → QUEUED(owner) with the
+        expiry extended to at least ``ttl_ms``; ACQUIRED. DONE by the same owner, or held by
+        another owner → DUPLICATE. Held by another owner with a different non-empty
+        ``check`` → MISMATCH.
+        """
+        ...
+
+    def replace(self, key: str, owner: str, ttl_ms: int, check: str = "") -> LockResult:
+        """Debounce: like reserve, but a QUEUED lock of another owner is taken over.
+
+        Returns REPLACED with the displaced owner; RUNNING/DONE of another → DUPLICATE.
+        """
+        ...
+
+    def claim(self, key: str, owner: str, lease_ms: int) -> LockResult:
+        """Worker start: absent, or QUEUED/RUNNING by owner → RUNNING(owner) for ``lease_ms``.
+
+        Held by another owner in any state, or DONE by this owner → DUPLICATE (skip).
+        """
+        ...
+
+    def heartbeat(self, key: str, owner: str, lease_ms: int) -> Outcome:
+        """Renew a RUNNING lock of ``owner`` to ``lease_ms``; OK or NOT_OWNER.
+
+        A lock of ``owner`` in another state (re-reserved by a retry) is left as it is: OK.
+        """
+        ...
+
+    def complete(self, key: str, owner: str, ttl_ms: int) -> Outcome:
+        """Success: owned by ``owner`` → DONE(owner) for ``ttl_ms``, or deleted if 0."""
+        ...
+
+    def release(self, key: str, owner: str) -> Outcome:
+        """Final failure, revoke, replace: owned by ``owner`` → deleted (compare-and-delete)."""
+        ...
+
+    def get(self, key: str) -> LockInfo | None:
+        """Read one lock, or None when absent."""
+        ...

@@ -1,0 +1,41 @@
+-- claim: a worker is about to run the body (SPEC §5).
+--
+-- KEYS[1]  the lock key of one task identity (the only key touched: Cluster-safe)
+-- ARGV[1]  owner     the worker's task id (compared as an exact string)
+-- ARGV[2]  lease_ms  lease of the running lock in milliseconds (> 0), renewed by heartbeat
+--
+-- Value: "<state>|<check>|<owner>", state one of Q (queued), R (running), D (done).
+--
+-- Returns {code, state or false, owner or false}; code is an Outcome:
+--   1 ACQUIRED   absent (reservation expired, or never made) -> R(owner) with an empty
+--                check; or owner's own Q/R -> R (check kept); PX lease_ms either way
+--   2 DUPLICATE  done by this owner (a redelivery after success), held by another owner in
+--                any state, or a value not written by taskdedup (state and owner false);
+--                the state and owner found are returned
+
+local function parse(v)
+  if type(v) ~= 'string' then return nil end
+  local state, check, owner = string.match(v, '^([QRD])|([0-9a-f]*)|(.+)$')
+  if state == nil or (#check ~= 0 and #check ~= 32) then return nil end
+  return state, check, owner
+end
+
+local key = KEYS[1]
+local owner, lease_ms = ARGV[1], ARGV[2]
+
+local value = redis.pcall('GET', key)
+if not value then
+  redis.call('SET', key, 'R||' .. owner, 'PX', lease_ms)
+  return {1, false, false}
+end
+
+local state, held_check, held_owner = parse(value)
+if not state then
+  return {2, false, false}
+end
+
+if held_owner == owner and state ~= 'D' then
+  redis.call('SET', key, 'R|' .. held_check .. '|' .. owner, 'PX', lease_ms)
+  return {1, false, false}
+end
+return {2, state, held_owner}

