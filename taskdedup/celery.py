@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import redis
@@ -28,11 +28,11 @@ from celery.exceptions import Ignore, Retry
 from .core import Deduplicator, Identity, Verdict
 from .events import logger
 from .exceptions import ConfigurationError, DuplicateTaskError, StoreUnavailableError
-from .policy import Mode, OnDuplicate, Policy, is_disabled
+from .policy import OnDuplicate, Policy, is_disabled
 from .stores.base import Store
 from .stores.redis import RedisStore
 
-__all__ = ["DedupTask", "DuplicateExecution", "HEADER", "get_deduplicator"]
+__all__ = ["HEADER", "DedupTask", "DuplicateExecution", "get_deduplicator"]
 
 HEADER = "taskdedup"
 """Message header carrying ``{"task": name, "key": lock key}`` or ``{"task": name, "off": 1}``."""
@@ -43,7 +43,7 @@ _CALLBACK_OPTIONS = ("link", "link_error", "chain", "chord", "group_id")
 _STORE_RETRY_COUNTDOWN = 5.0
 
 
-class DuplicateExecution(Ignore):
+class DuplicateExecution(Ignore):  # type: ignore[misc]
     """Raised in ``before_start`` to skip a duplicate's body: Celery marks it IGNORED.
 
     It is not a failure: no error result is stored, no errbacks run, the message is acked.
@@ -229,7 +229,6 @@ def _dedup_task(sender: Any) -> DedupTask | None:
     return sender if isinstance(sender, DedupTask) and sender._dedup_policy is not None else None
 
 
-@signals.task_success.connect
 def _on_success(sender: Any = None, **_: Any) -> None:
     task = _dedup_task(sender)
     if task is None:
@@ -242,7 +241,6 @@ def _on_success(sender: Any = None, **_: Any) -> None:
         )
 
 
-@signals.task_failure.connect
 def _on_failure(
     sender: Any = None, task_id: str | None = None, args: Any = None, kwargs: Any = None, **_: Any
 ) -> None:
@@ -254,7 +252,6 @@ def _on_failure(
         get_deduplicator(task.app).release(task.name, key, task_id, reason="failed")
 
 
-@signals.task_retry.connect
 def _on_retry(sender: Any = None, request: Any = None, **_: Any) -> None:
     task = _dedup_task(sender)
     if task is None or request is None:
@@ -264,7 +261,6 @@ def _on_retry(sender: Any = None, request: Any = None, **_: Any) -> None:
         get_deduplicator(task.app).stop_heartbeat(key, request.id)
 
 
-@signals.task_revoked.connect
 def _on_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
     task = _dedup_task(sender)
     if task is None or request is None:
@@ -277,7 +273,6 @@ def _on_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
         get_deduplicator(task.app).release(task.name, key, request.id, reason="revoked")
 
 
-@signals.task_postrun.connect
 def _on_postrun(sender: Any = None, task_id: str | None = None, state: str | None = None,
                 **_: Any) -> None:
     if state not in ("IGNORED", "REJECTED"):
@@ -320,6 +315,13 @@ def _recompute(task: DedupTask, args: Any, kwargs: Any) -> str | None:
         return None
 
 
+signals.task_success.connect(_on_success, weak=False)
+signals.task_failure.connect(_on_failure, weak=False)
+signals.task_retry.connect(_on_retry, weak=False)
+signals.task_revoked.connect(_on_revoked, weak=False)
+signals.task_postrun.connect(_on_postrun, weak=False)
+
+
 # -- helpers -------------------------------------------------------------------------------
 
 
@@ -342,7 +344,7 @@ def _is_off(raw: Any, task_name: str) -> bool:
 
 def _reservation_ttl_ms(policy: Policy, options: Mapping[str, Any]) -> int:
     """``ttl`` plus the countdown/ETA delay, capped by ``expires`` (ETA-aware TTL)."""
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     delay = 0.0
     countdown, eta, expires = options.get("countdown"), options.get("eta"), options.get("expires")
     if countdown:
@@ -363,7 +365,7 @@ def _reservation_ttl_ms(policy: Policy, options: Mapping[str, Any]) -> int:
 
 
 def _aware(value: datetime) -> datetime:
-    return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+    return value if value.tzinfo else value.replace(tzinfo=UTC)
 
 
 def _check_names(cls: type, func: Callable[..., Any], policy: Policy) -> None:

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 from .events import Counters, DedupEvent, Event, Events, logger
@@ -24,7 +24,7 @@ from .fingerprint import fingerprint, fingerprint_value
 from .policy import Mode, OnDuplicate, OnStoreError, Policy
 from .stores.base import LockState, Outcome, Store
 
-__all__ = ["Deduplicator", "Identity", "Verdict", "GateResult", "StartResult", "Heartbeat"]
+__all__ = ["Deduplicator", "GateResult", "Heartbeat", "Identity", "StartResult", "Verdict"]
 
 DEFAULT_PREFIX = "taskdedup"
 
@@ -37,7 +37,7 @@ class Identity:
     check: str = ""
 
 
-class Verdict(str, Enum):
+class Verdict(StrEnum):
     """What the gate or the worker guard decided."""
 
     ACCEPTED = "accepted"
@@ -139,16 +139,16 @@ class Deduplicator:
         except StoreUnavailableError as exc:
             return self._store_error(name, policy, identity.key, owner, exc, "enqueue")
         seconds = time.perf_counter() - started
-        outcome = result.outcome
+        outcome, key, existing = result.outcome, identity.key, result.owner
         if outcome is Outcome.ACQUIRED:
             self._emit(Event.RESERVED, name, identity.key, owner, seconds=seconds)
             return GateResult(Verdict.ACCEPTED)
         if outcome is Outcome.REPLACED:
-            self._emit(Event.DUPLICATE, name, identity.key, owner, result.owner, "replaced", seconds)
-            logger.info("taskdedup: %s replaced queued task %s with %s", name, result.owner, owner)
+            self._emit(Event.DUPLICATE, name, key, owner, existing, "replaced", seconds)
+            logger.info("taskdedup: %s replaced queued task %s with %s", name, existing, owner)
             return GateResult(Verdict.REPLACED, result.owner, result.state)
         if outcome is Outcome.MISMATCH:
-            self._emit(Event.DUPLICATE, name, identity.key, owner, result.owner, "mismatch", seconds)
+            self._emit(Event.DUPLICATE, name, key, owner, existing, "mismatch", seconds)
             raise IdempotencyKeyMismatch(identity.key, result.owner)
         self._emit(Event.DUPLICATE, name, identity.key, owner, result.owner, None, seconds)
         return GateResult(Verdict.DUPLICATE, result.owner, result.state)
@@ -180,7 +180,8 @@ class Deduplicator:
         self._emit(Event.SKIPPED, name, key, owner, result.owner, state)
         logger.info(
             "taskdedup: skipped %s[%s]: identity %s is %s by %s",
-            name, owner, key, _STATE_WORDS.get(result.state, "held"), result.owner,
+            name, owner, key, _STATE_WORDS.get(result.state, "held") if result.state else "held",
+            result.owner,
         )
         return StartResult(Verdict.DUPLICATE, result.owner, result.state)
 

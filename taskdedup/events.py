@@ -11,14 +11,14 @@ import threading
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
-__all__ = ["Event", "DedupEvent", "Listener", "Events", "Counters", "logger"]
+__all__ = ["Counters", "DedupEvent", "Event", "Events", "Listener", "logger"]
 
 logger = logging.getLogger("taskdedup")
 
 
-class Event(str, Enum):
+class Event(StrEnum):
     """Everything taskdedup reports. The set is closed: listeners can match exhaustively."""
 
     RESERVED = "reserved"

@@ -10,11 +10,11 @@ This module imports nothing else of the package.
 from __future__ import annotations
 
 __all__ = [
-    "TaskDedupError",
-    "DuplicateTaskError",
-    "StoreUnavailableError",
-    "IdempotencyKeyMismatch",
     "ConfigurationError",
+    "DuplicateTaskError",
+    "IdempotencyKeyMismatch",
+    "StoreUnavailableError",
+    "TaskDedupError",
 ]
 
 

@@ -11,7 +11,7 @@ import os
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
-from enum import Enum
+from enum import Enum, StrEnum
 from typing import Any
 
 from .exceptions import ConfigurationError
@@ -28,7 +28,7 @@ __all__ = [
 ]
 
 
-class Mode(str, Enum):
+class Mode(StrEnum):
     """When the identity is gated and when its lock is released (SPEC §4)."""
 
     UNTIL_EXECUTING = "until_executing"
@@ -49,7 +49,7 @@ class Mode(str, Enum):
         return self is not Mode.UNTIL_EXECUTING
 
 
-class OnDuplicate(str, Enum):
+class OnDuplicate(StrEnum):
     """What the caller gets when its call is a duplicate."""
 
     RETURN = "return"
@@ -62,7 +62,7 @@ class OnDuplicate(str, Enum):
     """Debounce: the queued original is revoked and the new call takes its place."""
 
 
-class OnStoreError(str, Enum):
+class OnStoreError(StrEnum):
     """What happens when Redis cannot be reached."""
 
     RAISE = "raise"
@@ -95,7 +95,7 @@ def _enum(enum: type[Enum], name: str, value: Any) -> Any:
     try:
         return enum(value)
     except ValueError:
-        choices = ", ".join(repr(m.value) for m in enum)  # type: ignore[attr-defined]
+        choices = ", ".join(repr(m.value) for m in enum)
         raise ConfigurationError(f"Policy.{name}={value!r} is not one of {choices}") from None
 
 
@@ -194,7 +194,7 @@ class Policy:
 
     @classmethod
     def coerce(cls, value: PolicyLike) -> Policy | None:
-        """A Policy from a Policy, a dict of its fields, ``True`` (defaults) or ``None``/``False``."""
+        """A Policy from a Policy, a dict of its fields, ``True`` (defaults), ``None``/``False``."""
         if value is None or value is False:
             return None
         if value is True:

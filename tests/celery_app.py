@@ -23,7 +23,7 @@ VISIBILITY = float(os.environ.get("TASKDEDUP_TEST_VISIBILITY", "3600"))
 
 app = Celery("tests", broker=URL, backend=URL)
 app.conf.update(
-    taskdedup_url=URL,
+    taskdedup_url=os.environ.get("TASKDEDUP_TEST_LOCK_URL", URL),
     task_default_queue=os.environ.get("TASKDEDUP_TEST_QUEUE", "celery"),
     broker_connection_retry_on_startup=True,
     worker_prefetch_multiplier=1,

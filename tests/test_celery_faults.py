@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -69,3 +68,35 @@ def test_sigkill_mid_task_lock_frees_within_lease_and_redelivery_runs(
         wait_for(lambda: not rc.exists(key), timeout=10, what="released after success")
     finally:
         worker.stop()
+
+
+def test_store_down_on_the_worker_retries_later_never_runs_unguarded_never_drops(
+    capp: Any, redis_url: str
+) -> None:
+    """A worker whose lock store is unreachable republishes the task instead of running it
+    (on_store_error='raise'); a worker with a reachable store then runs it exactly once.
+    With on_store_error='allow' the body runs unguarded."""
+    from taskdedup.testing import free_port
+
+    rc = redis.Redis.from_url(redis_url)
+    strict, lenient = uuid.uuid4().hex[:12], uuid.uuid4().hex[:12]
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    bad = CeleryWorker(
+        redis_url, queue="it-storedown", env={"TASKDEDUP_TEST_LOCK_URL": dead}
+    ).start()
+    try:
+        res = capp.record.apply_async((strict,), queue="it-storedown")
+        wait_for(lambda: rc.get(f"state:{res.id}") == b"RETRY", timeout=30,
+                 what="worker asked to retry while its store is down")
+        assert rc.lrange(f"effects:{strict}", 0, -1) == []  # never run unguarded
+        allowed = capp.lenient.apply_async((lenient,), queue="it-storedown")
+        assert allowed.get(timeout=30) == lenient  # fail open: ran without dedup
+        assert "proceeding WITHOUT dedup" in bad.output()
+    finally:
+        bad.stop()  # warm shutdown gives the republished message back to the queue
+    good = CeleryWorker(redis_url, queue="it-storedown").start()
+    try:
+        assert res.get(timeout=60) == f"{strict}:0"
+        assert rc.lrange(f"effects:{strict}", 0, -1) == [b"0"]
+    finally:
+        good.stop()

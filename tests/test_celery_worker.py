@@ -300,7 +300,7 @@ def test_ignore_and_reject_release_the_lock(capp: Any, rc: redis.Redis) -> None:
 def test_hard_time_limit_releases_the_lock(capp: Any, rc: redis.Redis) -> None:
     name = label()
     res = capp.too_slow.delay(name)
-    with pytest.raises(Exception, match="TimeLimitExceeded|Time limit"):
+    with pytest.raises(Exception, match=r"TimeLimitExceeded|Time limit"):
         res.get(timeout=30)
     key = lock_of(rc, capp, capp.too_slow, name)
     # released by the main process (lease is 30 s; far sooner than that)

@@ -163,7 +163,14 @@ text = st.text(max_size=8)
 text_with_surrogates = st.text(
     st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF) | st.characters(), max_size=8
 )
-fixed_offsets = st.builds(
+# UTC offsets: whole seconds (as every real time zone has, LMT included) for the text
+# serializers, since Python 3.11's fromisoformat() drops the microseconds of an offset like
+# "+00:00:00.000001"; pickle also gets sub-second offsets.
+second_offsets = st.builds(
+    dt.timezone,
+    st.integers(-(24 * 3600 - 1), 24 * 3600 - 1).map(lambda s: dt.timedelta(seconds=s)),
+)
+subsecond_offsets = st.builds(
     dt.timezone,
     st.timedeltas(min_value=dt.timedelta(hours=-23, minutes=-59), max_value=dt.timedelta(hours=23)),
 )
@@ -171,7 +178,7 @@ minute_offsets = st.builds(
     dt.timezone,
     st.integers(-23 * 60 - 59, 23 * 60 + 59).map(lambda m: dt.timedelta(minutes=m)),
 )
-any_timezone = fixed_offsets | st.timezones()
+any_timezone = second_offsets | st.timezones()
 enum_members = st.sampled_from([*Level, *Mode])
 
 
@@ -208,7 +215,8 @@ def json_spelling(key: Any) -> str:
 # lists, int/bool/None keys as strings, IntEnum/StrEnum as their values.
 # Excluded: sets/frozensets, plain Enums and dataclasses (kombu's json cannot encode them),
 # float dict keys (JSON writes 1.0 as "1.0", while 1.0 is the int 1 everywhere else),
-# bytearray (kombu's json only encodes bytes).
+# bytearray (kombu's json only encodes bytes), aware datetimes/times whose UTC offset has
+# a fraction of a second (Python 3.11's fromisoformat() drops it: a different instant).
 json_scalars = (
     st.none()
     | st.booleans()
@@ -287,6 +295,8 @@ pickle_scalars = (
     json_scalars
     | st.sampled_from(list(Color))
     | st.binary(max_size=8).map(bytearray)
+    | st.datetimes(timezones=subsecond_offsets)
+    | st.times(timezones=subsecond_offsets)
     | st.sets(hashable_scalars, max_size=3)
     | st.frozensets(hashable_scalars, max_size=3)
     | st.builds(Key, text, st.integers())

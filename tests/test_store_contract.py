@@ -337,7 +337,7 @@ def test_heartbeat_leaves_its_own_queued_or_done_lock_unchanged(
     assert lock is not None and lock.state is state and lock.ttl_ms > LONG // 2
 
 
-def test_heartbeat_of_another_owners_lock_is_not_owner(store: Store) -> None:
+def test_heartbeat_of_another_owners_lock_is_not_owner_and_does_not_renew_it(store: Store) -> None:
     store.claim("k", A, 10_000)
     assert store.heartbeat("k", B, LONG) is Outcome.NOT_OWNER
     lock = store.get("k")
@@ -654,8 +654,13 @@ def test_store_unavailable_message_redacts_the_password() -> None:
 def test_missing_permission_raises_store_unavailable_naming_the_permission(
     redis_url: str, redis_client: redis.Redis
 ) -> None:
-    redis_client.acl_setuser("taskdedup-limited", enabled=True, passwords=["+pw"], keys=["*"],
-                             commands=["+get", "+ping", "+hello", "+client"])
+    redis_client.acl_setuser(
+        "taskdedup-limited",
+        enabled=True,
+        passwords=["+pw"],
+        keys=["*"],
+        commands=["+get", "+ping", "+hello", "+client"],
+    )
     try:
         url = redis_url.replace("redis://", "redis://taskdedup-limited:pw@")
         with RedisStore.from_url(url) as store, pytest.raises(StoreUnavailableError) as caught:
@@ -675,23 +680,30 @@ TRANSITIONS: list[tuple[str, Callable[[RedisStore], Any], Any]] = [
     ("complete", lambda s: s.complete("k", A, LONG), Outcome.OK),
     ("release", lambda s: s.release("k", A), Outcome.OK),
     ("get", lambda s: info(s, "k"), (Q, A, "")),
-    ("reserve_many", lambda s: s.reserve_many([("k", B, LONG, "")]), [
-        LockResult(Outcome.DUPLICATE, A, Q)
-    ]),
+    (
+        "reserve_many",
+        lambda s: s.reserve_many([("k", B, LONG, "")]),
+        [LockResult(Outcome.DUPLICATE, A, Q)],
+    ),
 ]
 
 
 @pytest.mark.parametrize(
-    ("call", "expected"), [t[1:] for t in TRANSITIONS], ids=[t[0] for t in TRANSITIONS]
+    ("name", "call", "expected"), TRANSITIONS, ids=[t[0] for t in TRANSITIONS]
 )
 def test_scripts_are_loaded_again_after_script_flush(
-    redis_store: RedisStore, redis_client: redis.Redis, call: Callable[[RedisStore], Any],
+    redis_store: RedisStore,
+    redis_client: redis.Redis,
+    name: str,
+    call: Callable[[RedisStore], Any],
     expected: Any,
 ) -> None:
-    redis_store.reserve_many([("k", A, LONG, "")])  # loads the scripts it uses
+    redis_store.reserve_many([("k", A, LONG, "")])  # loads the reserve script
     redis_client.script_flush()
-    assert redis_client.script_exists(redis_store._reserve.sha) == [False]
+    sha = redis_store._scripts[name.replace("reserve_many", "reserve")].sha
+    assert redis_client.script_exists(sha) == [False]
     assert call(redis_store) == expected
+    assert redis_client.script_exists(sha) == [True]
 
 
 def test_reserve_many_after_script_flush_retries_the_noscript_items_once(

@@ -10,7 +10,7 @@ Durations are integer milliseconds here (``ttl_ms``/``lease_ms``); the public AP
 
 from __future__ import annotations
 
-from enum import Enum, IntEnum
+from enum import IntEnum, StrEnum
 from typing import NamedTuple, Protocol, runtime_checkable
 
 __all__ = ["LockInfo", "LockResult", "LockState", "Outcome", "Store"]
@@ -33,7 +33,7 @@ class Outcome(IntEnum):
     """replace: a queued original was displaced; ``owner`` is the displaced id."""
 
 
-class LockState(str, Enum):
+class LockState(StrEnum):
     """The state recorded in a lock value (one character in Redis)."""
 
     QUEUED = "Q"

@@ -5,8 +5,9 @@ Each transition is one script in ``taskdedup/stores/lua/`` that reads and writes
 task id) and returns small integers that map to :class:`~taskdedup.stores.base.Outcome`
 and :class:`~taskdedup.stores.base.LockState`. Scripts run with EVALSHA in one round
 trip; a server that lost them (restart, failover, ``SCRIPT FLUSH``) answers NOSCRIPT and
-they are loaded again, as redis-py's own ``Script`` does. Redis 6.2+ and Valkey; only
-EVAL/EVALSHA/SCRIPT LOAD, GET, SET PX, PEXPIRE, PTTL, DEL and SCAN are used.
+the call is made again with EVAL, which also caches the script anew (SPEC §5: "EVALSHA,
+falling back to EVAL"). Redis 6.2+ and Valkey; only EVALSHA, EVAL, SCRIPT LOAD (bulk
+path), GET, SET PX, PEXPIRE, PTTL, DEL and SCAN are used.
 
 Stored value: ``<state>|<check>|<owner>`` (see :func:`~taskdedup.stores.memory.parse_value`).
 """
@@ -130,7 +131,7 @@ def describe_client(client: Any) -> str:
 
 
 class RedisStore:
-    """A :class:`~taskdedup.stores.Store` over Redis or Valkey (standalone, Sentinel, TLS).
+    """A :class:`~taskdedup.stores.Store` over Redis or Valkey, through a ``redis.Redis`` client.
 
     Works with any ``redis.Redis`` client, with or without ``decode_responses``. Every
     transition is one EVALSHA round trip; every ``redis.exceptions.RedisError`` is raised as
@@ -239,7 +240,11 @@ class RedisStore:
         return StoreUnavailableError(message)
 
     def _eval(self, script: Script, action: str, key: str, *args: str | int) -> Any:
-        """EVALSHA ``script`` on ``key`` in one round trip, loading it again on NOSCRIPT."""
+        """EVALSHA ``script`` on ``key`` in one round trip; EVAL it on NOSCRIPT.
+
+        EVAL both runs the script and puts it back in the server's script cache, so the
+        next EVALSHA finds it: recovering costs one extra round trip, once.
+        """
         client = self.client
         try:
             try:
@@ -247,9 +252,8 @@ class RedisStore:
                     "EVALSHA", script.sha, 1, key, *args, **_RAW
                 )
             except NoScriptError:
-                script.sha = client.script_load(script.script)
                 return client.execute_command(  # type: ignore[no-untyped-call]
-                    "EVALSHA", script.sha, 1, key, *args, **_RAW
+                    "EVAL", script.script, 1, key, *args, **_RAW
                 )
         except RedisError as exc:
             raise self._unavailable(f"{action} {key!r}", exc) from exc
@@ -313,9 +317,9 @@ class RedisStore:
     def reserve_many(self, items: Sequence[tuple[str, str, int, str]]) -> list[LockResult]:
         """:meth:`reserve` each ``(key, owner, ttl_ms, check)`` in one pipeline round trip.
 
-        Returns one result per item, in order. Each item is atomic on its own (the batch is
-        not a transaction, so it also works on Cluster-style sharding); batches larger than
-        :attr:`bulk_chunk` take one round trip per chunk.
+        Returns one result per item, in order. Each item is atomic on its own; the batch is
+        not a transaction. Batches larger than :attr:`bulk_chunk` take one round trip per
+        chunk. (Tested on standalone Redis/Valkey; a ``RedisCluster`` client is untested.)
 
         NOSCRIPT: the first call (and the first after a NOSCRIPT) puts ``SCRIPT LOAD``
         ahead of the EVALSHAs in the same pipeline; items answered NOSCRIPT anyway (the
