@@ -19,12 +19,12 @@ from celery import Celery
 from taskdedup import Policy
 from taskdedup.celery import DedupTask
 
-URL = os.environ.get("TASKDEDUP_URL", "redis://127.0.0.1:6379/0")
+URL = os.environ.get("TASKDEDUP_URL") or "redis://127.0.0.1:6379/0"
 app = Celery("payments", broker=URL, backend=URL)
 app.conf.update(taskdedup_url=URL, broker_connection_retry_on_startup=True)
 
 
-@app.task(base=DedupTask, dedup=Policy(ttl=600))
+@app.task(base=DedupTask, dedup=Policy(ttl=600), name="payments.charge")
 def charge(order_id: str, amount_cents: int) -> str:
     """Charge a card. taskdedup makes sure each (order_id, amount) is charged once."""
     redis.Redis.from_url(URL).rpush(f"charges:{order_id}", amount_cents)  # the side effect
@@ -36,14 +36,14 @@ def main() -> int:
     from taskdedup.testing import RedisServer, wait_for
 
     server = None
-    if "TASKDEDUP_URL" not in os.environ:
+    if not os.environ.get("TASKDEDUP_URL"):
         server = RedisServer().start()
         URL = os.environ["TASKDEDUP_URL"] = server.url
         app.conf.update(broker_url=URL, result_backend=URL, taskdedup_url=URL)
 
     here = Path(__file__).resolve().parent
     worker = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "celery_app", "worker", "-P", "prefork",
+        [sys.executable, "-m", "celery", "--quiet", "-A", "celery_app", "worker", "-P", "prefork",
          "-c", "2", "-l", "WARNING", "--without-gossip", "--without-mingle"],
         cwd=here, env={**os.environ, "PYTHONPATH": str(here)},
     )

@@ -1,0 +1,26 @@
+"""The README's example runs, so it cannot rot."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_celery_example_charges_once(redis_url: str) -> None:
+    import redis
+
+    redis.Redis.from_url(redis_url).delete("charges:ORD-789")
+    env = {**os.environ, "TASKDEDUP_URL": redis_url}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "celery_app.py")],
+        env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "charges recorded: 1" in done.stdout
