@@ -257,8 +257,13 @@ def _on_retry(sender: Any = None, request: Any = None, **_: Any) -> None:
     if task is None or request is None:
         return
     key = getattr(request, _STATE_ATTR, None)
-    if key and key != "skipped":  # the retry's publish re-reserved it; just stop renewing
-        get_deduplicator(task.app).stop_heartbeat(key, request.id)
+    if not key or key == "skipped":
+        return
+    dedup = get_deduplicator(task.app)
+    if task._dedup_policy.mode is Mode.WHILE_EXECUTING:  # type: ignore[union-attr]
+        dedup.release(task.name, key, request.id, reason="retry")  # not executing meanwhile
+    else:  # the retry's publish re-reserved it for the countdown; just stop renewing
+        dedup.stop_heartbeat(key, request.id)
 
 
 def _on_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:

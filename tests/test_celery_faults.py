@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -100,3 +101,25 @@ def test_store_down_on_the_worker_retries_later_never_runs_unguarded_never_drops
         assert rc.lrange(f"effects:{strict}", 0, -1) == [b"0"]
     finally:
         good.stop()
+
+
+def test_pool_child_killed_with_acks_late_is_redelivered_and_runs(
+    capp: Any, redis_url: str
+) -> None:
+    """SIGKILL of the pool process only: the main process sees WorkerLostError, requeues the
+    message (reject_on_worker_lost) and the same task id claims its own lock again."""
+    rc = redis.Redis.from_url(redis_url)
+    name = uuid.uuid4().hex[:12]
+    worker = CeleryWorker(redis_url, queue="it-faults").start()
+    try:
+        res = capp.long_running.delay(name)
+        first = wait_for(lambda: rc.lrange(f"effects:{name}", 0, -1), timeout=30)
+        child = int(first[0].decode().split(":")[1])
+        os.kill(child, signal.SIGKILL)
+        rc.set(f"go:{name}", 1)  # only the redelivered run can see the gate open
+        assert res.get(timeout=60) == name
+        effects = [e.decode() for e in rc.lrange(f"effects:{name}", 0, -1)]
+        assert [e for e in effects if e.startswith("start")][1:]  # ran again after the kill
+        assert effects[-1] == "end" and effects.count("end") == 1
+    finally:
+        worker.stop()
