@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import fields
 from datetime import UTC, datetime
 from typing import Any
 
@@ -28,7 +29,7 @@ from celery.exceptions import Ignore, Retry
 from .core import Deduplicator, Identity, Verdict
 from .events import logger
 from .exceptions import ConfigurationError, DuplicateTaskError, StoreUnavailableError
-from .policy import OnDuplicate, Policy, is_disabled
+from .policy import Mode, OnDuplicate, Policy, is_disabled
 from .stores.base import Store
 from .stores.redis import RedisStore
 
@@ -41,6 +42,8 @@ _NO_RESERVE = "_taskdedup_no_reserve"
 _STATE_ATTR = "_taskdedup"
 _CALLBACK_OPTIONS = ("link", "link_error", "chain", "chord", "group_id")
 _STORE_RETRY_COUNTDOWN = 5.0
+_CALL_FIELDS = frozenset({"on_duplicate", "on_store_error"})
+_POLICY_FIELDS = ("mode", "ttl", "lease", "include", "exclude", "key", "scope")
 
 
 class DuplicateExecution(Ignore):  # type: ignore[misc]
@@ -60,20 +63,18 @@ class DedupTask(Task):  # type: ignore[misc]
     """
 
     dedup: Policy | Mapping[str, Any] | bool | None = None
-    _dedup_policy: Policy | None = None
+    _dedup_policy: Policy | None = Policy()
     _dedup_func: Callable[..., Any] | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        raw = cls.__dict__.get("dedup", None)
-        if "dedup" not in cls.__dict__ and cls._dedup_policy is not None:
-            return  # inherited from a configured base
-        policy = Policy() if raw is None else Policy.coerce(raw)
-        cls._dedup_policy = policy
+        if "dedup" in cls.__dict__:  # else inherited as it is (dedup=False included)
+            raw = cls.__dict__["dedup"]
+            cls._dedup_policy = Policy() if raw is None else Policy.coerce(raw)
         run = cls.__dict__.get("run")
         func = getattr(run, "__func__", run)
-        if policy is not None and callable(func):
-            _check_names(cls, func, policy)
+        if cls._dedup_policy is not None and callable(func):
+            _check_names(cls, func, cls._dedup_policy)
 
     # -- enqueue gate ---------------------------------------------------------------------
 
@@ -99,7 +100,7 @@ class DedupTask(Task):  # type: ignore[misc]
                 args, kwargs, task_id, producer, link, link_error, shadow, **options
             )
 
-        policy = self._dedup_policy if override is None else Policy.coerce(override)
+        policy = self._call_policy(override)
         if policy is None or is_disabled():
             headers = dict(options.get("headers") or {})
             headers[HEADER] = {"task": self.name, "off": 1}
@@ -133,6 +134,31 @@ class DedupTask(Task):  # type: ignore[misc]
                 dedup.release(self.name, identity.key, task_id, reason="publish_failed")
             raise
 
+    def _call_policy(self, override: Any) -> Policy | None:
+        """The task's policy, with a per-call ``dedup=`` applied.
+
+        Per call, ``dedup=False`` bypasses everything; a Policy or dict may change only what
+        the caller decides (``on_duplicate``, ``on_store_error``): mode, windows and identity
+        belong to the declaration, because the worker applies them too.
+        """
+        declared = self._dedup_policy
+        if override is None or override is True:
+            return declared
+        if override is False:
+            return None
+        if isinstance(override, Mapping) and declared is not None:
+            if set(override) <= _CALL_FIELDS:
+                current = {f.name: getattr(declared, f.name) for f in fields(Policy)}
+                return Policy(**{**current, **override})
+        elif isinstance(override, Policy) and declared is not None:
+            if all(getattr(override, f) == getattr(declared, f) for f in _POLICY_FIELDS):
+                return override
+        raise ConfigurationError(
+            f"{self.name}: a per-call dedup= may only change on_duplicate and on_store_error "
+            "(or be False to bypass); mode, ttl, lease and the identity options are applied "
+            "by the worker too, so declare them on the task"
+        )
+
     def _on_duplicate(
         self, policy: Policy, key: str, existing_id: str | None, link: Any, link_error: Any,
         options: Mapping[str, Any],
@@ -148,6 +174,12 @@ class DedupTask(Task):  # type: ignore[misc]
                 "call a dedup_key / dedup=False.",
             )
         mode = policy.on_duplicate
+        if existing_id is None:  # a value taskdedup did not write holds the key
+            raise DuplicateTaskError(
+                key, None,
+                f"duplicate task {self.name}: {key} holds a value taskdedup did not write; "
+                "inspect or delete that key",
+            )
         if mode is OnDuplicate.RAISE:
             raise DuplicateTaskError(key, existing_id)
         if mode is OnDuplicate.DROP:
@@ -362,10 +394,12 @@ def _reservation_ttl_ms(policy: Policy, options: Mapping[str, Any]) -> int:
     expires_in: float | None = None
     if isinstance(expires, (int, float)):
         expires_in = float(expires)
-    elif isinstance(expires, datetime):
+    elif isinstance(expires, str):  # a retry carries the original's expiry as ISO 8601
+        expires = datetime.fromisoformat(expires)
+    if isinstance(expires, datetime):
         expires_in = (_aware(expires) - now).total_seconds()
-    if expires_in is not None and expires_in > 0:
-        ttl_ms = min(ttl_ms, int(expires_in * 1000) + 1000)
+    if expires_in is not None:  # expired messages are discarded by the worker
+        ttl_ms = min(ttl_ms, max(0, int(expires_in * 1000)) + 1000)
     return max(1, ttl_ms)
 
 

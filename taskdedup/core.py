@@ -19,7 +19,7 @@ from enum import StrEnum
 from typing import Any
 
 from .events import Counters, DedupEvent, Event, Events, logger
-from .exceptions import IdempotencyKeyMismatch, StoreUnavailableError
+from .exceptions import ConfigurationError, IdempotencyKeyMismatch, StoreUnavailableError
 from .fingerprint import fingerprint, fingerprint_value
 from .policy import Mode, OnDuplicate, OnStoreError, Policy
 from .stores.base import LockState, Outcome, Store
@@ -69,8 +69,10 @@ class Deduplicator:
     """
 
     def __init__(self, store: Store, *, prefix: str = DEFAULT_PREFIX) -> None:
-        if not prefix or ":" in prefix:
-            raise ValueError("prefix must be a non-empty string without ':'")
+        if not isinstance(prefix, str) or not prefix or ":" in prefix:
+            raise ConfigurationError(
+                f"key prefix must be a non-empty string without ':', got {prefix!r}"
+            )
         self.store = store
         self.prefix = prefix
         self.events = Events()
@@ -97,7 +99,10 @@ class Deduplicator:
         check = ""
         if dedup_key is not None:
             digest = fingerprint_value(name, dedup_key, scope=scope)
-            check = fingerprint(name, args, kwargs, func=func, scope=scope)
+            check = fingerprint(
+                name, args, kwargs, func=func,
+                include=policy.include, exclude=policy.exclude, scope=scope,
+            )
         elif policy.key is not None:
             digest = fingerprint_value(name, policy.key(*args, **(kwargs or {})), scope=scope)
         else:
@@ -194,7 +199,8 @@ class Deduplicator:
         if policy.mode is Mode.UNTIL_EXECUTING:
             return
         if not success:
-            self.release(name, key, owner, reason="failed")
+            if self._release(name, key, owner, "failed") is Outcome.NOT_OWNER:
+                self._emit(Event.LEASE_LOST, name, key, owner, detail="release")
             return
         ttl_ms = policy.ttl_ms if policy.mode is Mode.UNTIL_EXPIRED else 0
         try:
@@ -214,17 +220,19 @@ class Deduplicator:
 
     def release(self, name: str, key: str, owner: str, *, reason: str) -> bool:
         """Compare-and-delete ``key`` for ``owner``; True when it was ours. Never raises."""
+        return self._release(name, key, owner, reason) is Outcome.OK
+
+    def _release(self, name: str, key: str, owner: str, reason: str) -> Outcome | None:
         self.stop_heartbeat(key, owner)
         try:
             outcome = self.store.release(key, owner)
         except StoreUnavailableError as exc:
             self._emit(Event.STORE_ERROR, name, key, owner, detail=f"release:{reason}")
             logger.warning("taskdedup: could not release %s[%s] (%s): %s", name, owner, reason, exc)
-            return False
+            return None
         if outcome is Outcome.OK:
             self._emit(Event.RELEASED, name, key, owner, detail=reason)
-            return True
-        return False
+        return outcome
 
     # -- heartbeat ------------------------------------------------------------------------
 

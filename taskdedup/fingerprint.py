@@ -239,7 +239,7 @@ def _enc_sequence(value: Any, out: list[bytes], depth: int) -> None:
     out.append(b"l%x:" % len(value))
     index = 0
     try:
-        for index, item in enumerate(value):
+        for index, item in enumerate(value):  # noqa: B007 (read by the except)
             tp = type(item)
             if tp is str:  # inlined: the most common item
                 data = item.encode("utf-8", "surrogatepass")
@@ -344,7 +344,7 @@ def _enc_mapping(value: Any, out: list[bytes], depth: int, attr: bool = False) -
     start = len(out)
     previous = b""
     try:
-        for encoded_key, key, item in items:
+        for encoded_key, key, item in items:  # noqa: B007 (read by the except)
             if encoded_key == previous:
                 del out[start:]
                 _enc_colliding_items(value, items, out, depth, attr)
@@ -651,7 +651,7 @@ class _Binder:
     ) -> dict[str, Any]:
         """Map every parameter to its value, defaults applied, like ``Signature.bind``."""
         if self.fast and len(args) <= len(self.positional):
-            bound = dict(zip(self.positional, args))
+            bound = dict(zip(self.positional, args, strict=False))
             ok = True
             if kwargs:
                 keywords = self.keywords

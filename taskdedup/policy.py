@@ -161,6 +161,8 @@ class Policy:
         set_(self, "include", _names("include", include))
         set_(self, "exclude", _names("exclude", exclude))
         set_(self, "key", key)
+        if scope is not None and not isinstance(scope, str):
+            raise ConfigurationError(f"Policy.scope must be a string, got {type(scope).__name__}")
         set_(self, "scope", scope or None)
         set_(self, "on_duplicate", _enum(OnDuplicate, "on_duplicate", on_duplicate))
         set_(self, "on_store_error", _enum(OnStoreError, "on_store_error", on_store_error))
@@ -175,7 +177,7 @@ class Policy:
             )
         if self.key is not None and not callable(self.key):
             raise ConfigurationError("Policy.key must be a callable taking the task's arguments")
-        if self.scope is not None and (not isinstance(self.scope, str) or ":" in self.scope):
+        if self.scope is not None and ":" in self.scope:
             raise ConfigurationError("Policy.scope must be a string without ':'")
         if self.mode is Mode.WHILE_EXECUTING and self.on_duplicate is not OnDuplicate.RETURN:
             raise ConfigurationError(
@@ -235,4 +237,5 @@ def enable() -> None:
 
 def is_disabled() -> bool:
     """True when gating is off, by :func:`disable` or ``TASKDEDUP_DISABLED=1``."""
-    return _disabled or os.environ.get("TASKDEDUP_DISABLED", "") not in ("", "0", "false", "no")
+    flag = os.environ.get("TASKDEDUP_DISABLED", "").strip().lower()
+    return _disabled or flag not in ("", "0", "false", "no", "off")

@@ -474,7 +474,7 @@ class Euro(Money):
 
 @pytest.mark.usefixtures("registry")
 def test_registered_type_uses_its_canonical_form() -> None:
-    with pytest.raises(TypeError, match="unsupported type tests.test_fingerprint.Money"):
+    with pytest.raises(TypeError, match=r"unsupported type tests\.test_fingerprint\.Money"):
         canonical_bytes(Money(Decimal(1), "USD"))
     register_canonical(Money, lambda m: (m.amount, m.currency))
     assert same(Money(Decimal("1.50"), "USD"), (Decimal("1.5"), "USD"))

@@ -359,7 +359,7 @@ class RedisStore:
                     del replies[0]
                 self._bulk_ready = True
                 missing = []
-                for index, reply in zip(pending, replies):
+                for index, reply in zip(pending, replies, strict=True):
                     if isinstance(reply, NoScriptError):
                         missing.append(index)
                     elif isinstance(reply, RedisError):
