@@ -18,7 +18,7 @@ from .exceptions import (
     StoreUnavailableError,
     TaskDedupError,
 )
-from .fingerprint import FINGERPRINT_VERSION, fingerprint, register_canonical
+from .identity import FINGERPRINT_VERSION, fingerprint, register_canonical
 from .policy import Mode, OnDuplicate, OnStoreError, Policy, disable, enable, is_disabled
 from .stores import MemoryStore, RedisStore, Store
 

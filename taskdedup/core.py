@@ -20,7 +20,7 @@ from typing import Any
 
 from .events import Counters, DedupEvent, Event, Events, logger
 from .exceptions import ConfigurationError, IdempotencyKeyMismatch, StoreUnavailableError
-from .fingerprint import fingerprint, fingerprint_value
+from .identity import fingerprint, fingerprint_value
 from .policy import Mode, OnDuplicate, OnStoreError, Policy
 from .stores.base import LockState, Outcome, Store
 

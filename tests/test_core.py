@@ -27,7 +27,7 @@ from taskdedup import (
     StoreUnavailableError,
 )
 from taskdedup.core import Identity, Verdict
-from taskdedup.fingerprint import fingerprint
+from taskdedup.identity import fingerprint
 from taskdedup.stores.base import LockInfo, LockResult, LockState, Outcome
 from taskdedup.testing import wait_for
 

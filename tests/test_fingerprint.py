@@ -1,4 +1,4 @@
-"""Unit tests of taskdedup.fingerprint: canonical forms, binding, selection, refusals."""
+"""Unit tests of taskdedup.fingerprint (module taskdedup.identity): canonical forms, binding, selection, refusals."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from taskdedup.fingerprint import (
+from taskdedup.identity import (
     FINGERPRINT_VERSION,
     MAX_DEPTH,
     bind_arguments,
@@ -34,7 +34,7 @@ from taskdedup.fingerprint import (
 )
 
 # The package re-exports the function `fingerprint`, which shadows the submodule attribute.
-fpmod = importlib.import_module("taskdedup.fingerprint")
+fpmod = importlib.import_module("taskdedup.identity")
 
 HEX32 = re.compile(r"[0-9a-f]{32}")
 

@@ -27,9 +27,9 @@ from kombu.serialization import dumps as kombu_dumps
 from kombu.serialization import loads as kombu_loads
 from rq.serializers import DefaultSerializer, JSONSerializer
 
-from taskdedup.fingerprint import fingerprint, register_canonical
+from taskdedup.identity import fingerprint, register_canonical
 
-fpmod = importlib.import_module("taskdedup.fingerprint")
+fpmod = importlib.import_module("taskdedup.identity")
 
 NAME = "tasks.roundtrip"
 EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
