@@ -58,8 +58,9 @@ class DedupTask(Task):  # type: ignore[misc]
 
     Declare with ``@app.task(base=DedupTask, dedup=Policy(...))``; without ``dedup`` the
     default ``Policy()`` applies, ``dedup=False`` turns it off for the task. Per call,
-    ``apply_async`` also takes ``dedup=False`` (bypass gate and guard), ``dedup=Policy(...)``
-    (override) and ``dedup_key="..."`` (an explicit idempotency key).
+    ``apply_async`` also takes ``dedup=False`` (bypass gate and guard), ``dedup={...}``
+    changing only ``on_duplicate``/``on_store_error``, and ``dedup_key="..."`` (an explicit
+    idempotency key).
     """
 
     dedup: Policy | Mapping[str, Any] | bool | None = None

@@ -122,6 +122,17 @@ def retry_once(self: DedupTask, label: str, countdown: float = 1.0) -> str:
     return label
 
 
+@app.task(base=DedupTask, bind=True, dedup=Policy(mode="while_executing"), max_retries=3)
+def while_retry_once(self: DedupTask, label: str) -> str:
+    """while_executing: the lock is held only while a body runs, not during a retry's wait."""
+    attempt = r().incr(f"attempts:{label}")
+    effect(label, attempt)
+    if attempt == 1:
+        wait_gate(label)
+        raise self.retry(countdown=1)
+    return label
+
+
 @app.task(
     base=DedupTask, dedup=Policy(mode="until_executed", ttl=60),
     autoretry_for=(KeyError,), retry_kwargs={"max_retries": 2, "countdown": 0.2},

@@ -146,6 +146,19 @@ def test_retry_runs_and_a_duplicate_during_the_countdown_is_suppressed(
     wait_for(lambda: not rc.exists(key), timeout=10, what="released after success")
 
 
+def test_while_executing_retry_releases_during_the_countdown_and_the_retry_runs(
+    capp: Any, rc: redis.Redis
+) -> None:
+    name = label()
+    first = capp.while_retry_once.delay(name)
+    key = lock_of(rc, capp, capp.while_retry_once, name)
+    wait_for(lambda: rc.get(key) == f"R||{first.id}".encode(), timeout=30, what="running")
+    rc.set(f"go:{name}", 1)
+    wait_for(lambda: not rc.exists(key), timeout=10, what="released while waiting to retry")
+    assert first.get(timeout=30) == name
+    assert effects(rc, name) == ["1", "2"]
+
+
 def test_autoretry_runs_every_retry_then_releases_on_final_failure(
     capp: Any, rc: redis.Redis
 ) -> None:
