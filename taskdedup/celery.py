@@ -26,6 +26,7 @@ import redis
 from celery import Celery, Task, signals
 from celery.exceptions import Ignore, Retry
 
+from . import stats
 from .core import Deduplicator, Identity, Verdict
 from .events import logger
 from .exceptions import ConfigurationError, DuplicateTaskError, StoreUnavailableError
@@ -358,6 +359,8 @@ signals.task_failure.connect(_on_failure, weak=False)
 signals.task_retry.connect(_on_retry, weak=False)
 signals.task_revoked.connect(_on_revoked, weak=False)
 signals.task_postrun.connect(_on_postrun, weak=False)
+# Pool processes exit without atexit handlers: flush the last counts explicitly.
+signals.worker_process_shutdown.connect(lambda **_: stats.flush_all(), weak=False)
 
 
 # -- helpers -------------------------------------------------------------------------------
@@ -435,6 +438,9 @@ def get_deduplicator(app: Celery) -> Deduplicator:
     if dedup is None:
         prefix = app.conf.get("taskdedup_prefix") or "taskdedup"
         dedup = Deduplicator(_store_for(app), prefix=prefix)
+        if app.conf.get("taskdedup_stats", True):  # counters flushed to Redis off the hot path
+            interval = app.conf.get("taskdedup_stats_interval") or stats.DEFAULT_INTERVAL
+            stats.attach(dedup, interval=float(interval))
         app.__dict__["_taskdedup"] = dedup
     return dedup
 

@@ -1,4 +1,4 @@
-"""Unit tests of taskdedup.fingerprint (module taskdedup.identity): canonical forms, binding, selection, refusals."""
+"""Unit tests of taskdedup.fingerprint (taskdedup/identity.py): forms, binding, refusals."""
 
 from __future__ import annotations
 

@@ -1,0 +1,765 @@
+"""The ``taskdedup`` command: compute identities, look at locks and stats, clear locks.
+
+Usage::
+
+    taskdedup key payments.charge 42 5000            # identity and Redis key of a call
+    taskdedup --url redis://localhost:6379/0 list --task payments.charge --state running
+    taskdedup inspect taskdedup:payments.charge:1f0c...
+    taskdedup clear --task payments.charge --yes
+    taskdedup stats --watch
+
+``--url`` defaults to ``TASKDEDUP_URL``; ``--prefix`` to ``TASKDEDUP_PREFIX``, else
+``taskdedup``. Keys are found with SCAN, never KEYS, and read in pipelined batches. Every read
+command takes ``--json``. Errors are one line on stderr and exit code 1.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+import re
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Final
+
+import click
+import redis
+from redis.exceptions import AuthenticationError, NoPermissionError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from .core import DEFAULT_PREFIX, Deduplicator
+from .exceptions import ConfigurationError
+from .policy import Policy
+from .stats import TaskStats, read_stats, stats_key
+from .stores.memory import MemoryStore, parse_value
+from .stores.redis import RedisStore, redact_url
+
+__all__ = ["main"]
+
+_SCAN_COUNT: Final = 1000
+_BATCH: Final = 500
+_DIGEST: Final = re.compile(r"[0-9a-f]{32}")
+_STATE_NAMES: Final = {"Q": "queued", "R": "running", "D": "done"}
+
+# Commands that live in other modules and are imported only when run (their imports are
+# heavy: Celery, RQ, a Redis server). ``taskdedup demo`` is ``taskdedup/demo.py``'s ``demo``
+# click command; it is listed once that module exists.
+LAZY_COMMANDS: Final[dict[str, str]] = {"demo": "taskdedup.demo:demo"}
+
+
+class CliError(click.ClickException):
+    """A failure reported as one line on stderr, exit code 1, without a traceback."""
+
+
+# -- the group and its shared state ------------------------------------------------------------
+
+
+@dataclass
+class _Env:
+    """What the global options chose; the Redis client is made on first use."""
+
+    url: str | None
+    prefix: str
+    _client: redis.Redis | None = field(default=None, repr=False)
+
+    @property
+    def where(self) -> str:
+        return redact_url(self.url) if self.url else "(no URL)"
+
+    def client(self) -> redis.Redis:
+        if self._client is None:
+            if not self.url:
+                raise CliError("no Redis URL: pass --url or set TASKDEDUP_URL")
+            try:
+                self._client = RedisStore.from_url(self.url).client
+            except ConfigurationError as exc:
+                raise CliError(str(exc)) from None
+        return self._client
+
+
+class _Group(click.Group):
+    """A click group that also lists and loads :data:`LAZY_COMMANDS` on demand."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        lazy = [name for name, target in LAZY_COMMANDS.items() if _module_exists(target)]
+        return sorted({*super().list_commands(ctx), *lazy})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        command = super().get_command(ctx, cmd_name)
+        target = LAZY_COMMANDS.get(cmd_name)
+        if command is None and target is not None and _module_exists(target):
+            module_name, _, attr = target.partition(":")
+            loaded = getattr(importlib.import_module(module_name), attr)
+            if not isinstance(loaded, click.Command):
+                raise CliError(f"{target} is not a click command")
+            command = loaded
+        return command
+
+
+def _module_exists(target: str) -> bool:
+    try:
+        return importlib.util.find_spec(target.partition(":")[0]) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _check_prefix(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    if not value or ":" in value:
+        raise click.BadParameter("must be a non-empty string without ':'")
+    return value
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--url", envvar="TASKDEDUP_URL", metavar="URL",
+    help="Redis URL (redis://, rediss://, unix://, valkey://); default: $TASKDEDUP_URL.",
+)
+@click.option(
+    "--prefix", envvar="TASKDEDUP_PREFIX", default=DEFAULT_PREFIX, show_default=True,
+    callback=_check_prefix, help="First component of every key; default: $TASKDEDUP_PREFIX.",
+)
+@click.version_option(package_name="taskdedup", prog_name="taskdedup")
+@click.pass_context
+def main(ctx: click.Context, url: str | None, prefix: str) -> None:
+    """Look at and manage taskdedup's locks and stats in Redis."""
+    ctx.obj = _Env(url or None, prefix)
+
+
+def _json_option(func: Callable[..., Any]) -> Callable[..., Any]:
+    return click.option(
+        "--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of a table."
+    )(func)
+
+
+@contextmanager
+def _redis_errors(env: _Env) -> Iterator[None]:
+    """Turn any Redis failure into one clear line (no traceback)."""
+    try:
+        yield
+    except redis.RedisError as exc:
+        raise _redis_failure(env.where, exc) from None
+
+
+def _redis_failure(where: str, exc: redis.RedisError) -> CliError:
+    if isinstance(exc, AuthenticationError):
+        return CliError(f"Redis at {where} refused the credentials: {_one_line(exc)}")
+    if isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
+        return CliError(f"cannot reach Redis at {where}: {_reason(exc)}")
+    if isinstance(exc, NoPermissionError):
+        return CliError(f"the Redis user at {where} lacks a permission: {_one_line(exc)}")
+    return CliError(f"Redis at {where} answered with an error: {_one_line(exc)}")
+
+
+def _reason(exc: BaseException) -> str:
+    """The operating system's words for a connection failure, e.g. ``Connection refused``."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, TimeoutError):
+            return "timed out"
+        if isinstance(current, OSError) and current.strerror:
+            return current.strerror
+        current = current.__cause__ or current.__context__
+    return _one_line(exc)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
+
+
+# -- output helpers ------------------------------------------------------------------------------
+
+
+def _console() -> Console:
+    # Not a terminal (a pipe, a file): wide enough for full keys instead of 80 columns.
+    wide = not sys.stdout.isatty() and "COLUMNS" not in os.environ
+    return Console(highlight=False, width=160 if wide else None)
+
+
+def _echo_json(data: Any, *, compact: bool = False) -> None:
+    click.echo(json.dumps(data, indent=None if compact else 2, ensure_ascii=False))
+
+
+def _cell(value: object) -> Text:
+    """A table cell shown verbatim (an owner id could look like rich markup)."""
+    return Text("-" if value is None or value == "" else str(value))
+
+
+def _ttl_text(ttl_ms: int) -> str:
+    if ttl_ms == -1:
+        return "no expiry"
+    if ttl_ms < 0:
+        return "-"
+    return f"{ttl_ms / 1000:.1f}s"
+
+
+# -- keys and lock values -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Lock:
+    """One lock as read from Redis."""
+
+    key: str
+    task: str
+    scope: str
+    digest: str
+    state: str
+    owner: str
+    check: str
+    ttl_ms: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "key": self.key,
+            "task": self.task,
+            "scope": self.scope or None,
+            "digest": self.digest,
+            "state": self.state,
+            "owner": self.owner,
+            "ttl_ms": self.ttl_ms,
+            "idempotency_check": bool(self.check),
+        }
+
+
+def _split_key(prefix: str, key: str, task: str | None = None) -> tuple[str, str, str] | None:
+    """``(scope, task, digest)`` of ``{prefix}[:{scope}]:{task}:{digest}``, else None.
+
+    A scope never contains ``:``, a task name may; without a known ``task`` the first of
+    two or more middle segments is read as the scope.
+    """
+    head = prefix + ":"
+    if not key.startswith(head):
+        return None
+    middle, sep, digest = key[len(head):].rpartition(":")
+    if not sep or not middle:
+        return None
+    if task is not None:
+        if middle == task:
+            return "", task, digest
+        scope = middle[: -len(task) - 1]
+        if middle.endswith(":" + task) and scope and ":" not in scope:
+            return scope, task, digest
+        return None
+    scope, sep, name = middle.partition(":")
+    return (scope, name, digest) if sep else ("", middle, digest)
+
+
+def _wrong_type(reply: Any) -> bool:
+    """Whether ``reply`` is Redis's WRONGTYPE error: the key holds something else (a hash)."""
+    return isinstance(reply, redis.ResponseError) and str(reply).startswith("WRONGTYPE")
+
+
+def _raise_errors(replies: Iterable[Any]) -> None:
+    """Raise the first error among pipeline ``replies``, WRONGTYPE excepted."""
+    for reply in replies:
+        if isinstance(reply, Exception) and not _wrong_type(reply):
+            raise reply
+
+
+def _to_lock(prefix: str, key: str, value: Any, pttl: Any, task: str | None) -> _Lock | None:
+    """A :class:`_Lock` from a GET reply and a PTTL reply; None when it is not a lock (of
+    ``task``)."""
+    if _wrong_type(value):
+        return None  # another type (a stats hash): not a lock
+    parsed = parse_value(value)
+    if parsed is None:
+        return None
+    parts = _split_key(prefix, key, task)
+    if parts is None:
+        if task is not None:
+            return None
+        parts = ("", "", "")
+    state, check, owner = parsed
+    return _Lock(key, parts[1], parts[0], parts[2], _STATE_NAMES[state.value], owner, check,
+                 int(pttl))
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode("utf-8", "surrogateescape") if isinstance(value, bytes) else value
+
+
+def _glob_escape(text: str) -> str:
+    return re.sub(r"([\\*?\[\]])", r"\\\1", text)
+
+
+def _scan(client: redis.Redis, pattern: str) -> Iterator[str]:
+    for key in client.scan_iter(match=pattern, count=_SCAN_COUNT):
+        yield _text(key)
+
+
+def _batches(keys: Iterable[str], size: int = _BATCH) -> Iterator[list[str]]:
+    batch: list[str] = []
+    for key in keys:
+        batch.append(key)
+        if len(batch) >= size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _read_locks(
+    client: redis.Redis, prefix: str, keys: Sequence[str], task: str | None = None
+) -> list[_Lock]:
+    """GET and PTTL every key in one pipelined round trip; the locks (of ``task``) among them."""
+    pipe = client.pipeline(transaction=False)
+    for key in keys:
+        pipe.get(key)
+        pipe.pttl(key)
+    replies = pipe.execute(raise_on_error=False)
+    _raise_errors(replies)
+    locks = []
+    for index, key in enumerate(keys):
+        lock = _to_lock(prefix, key, replies[2 * index], replies[2 * index + 1], task)
+        if lock is not None:
+            locks.append(lock)
+    return locks
+
+
+def _lock_pattern(prefix: str, task: str | None) -> str:
+    """SCAN pattern for the locks of ``task`` (a superset, filtered after reading)."""
+    if task is None:
+        return _glob_escape(prefix) + ":*"
+    return f"{_glob_escape(prefix)}:*{_glob_escape(task)}:*"
+
+
+def _iter_locks(client: redis.Redis, prefix: str, task: str | None) -> Iterator[_Lock]:
+    """Every lock under ``prefix`` (of ``task``), by SCAN and pipelined reads."""
+    for batch in _batches(_scan(client, _lock_pattern(prefix, task))):
+        yield from _read_locks(client, prefix, batch, task)
+
+
+# -- key ---------------------------------------------------------------------------------------
+
+
+def _parse_value(text: str) -> Any:
+    """JSON when ``text`` parses as JSON (``42``, ``true``, ``[1, 2]``, ``"42"``), else the str."""
+
+    def refuse(constant: str) -> Any:
+        raise ValueError(constant)  # NaN / Infinity: keep the text
+
+    try:
+        return json.loads(text, parse_constant=refuse)
+    except ValueError:
+        return text
+
+
+def _call_arguments(
+    args: Sequence[str], kws: Sequence[str], json_args: str | None, json_kwargs: str | None
+) -> tuple[list[Any], dict[str, Any]]:
+    positional: list[Any] = [_parse_value(a) for a in args]
+    if json_args is not None:
+        if args:
+            raise CliError("pass positional arguments as ARGS or with --json-args, not both")
+        try:
+            loaded = json.loads(json_args)
+        except ValueError as exc:
+            raise CliError(f"--json-args is not valid JSON: {exc}") from None
+        if not isinstance(loaded, list):
+            raise CliError("--json-args must be a JSON array, e.g. '[42, \"ORD-7\"]'")
+        positional = loaded
+    keywords: dict[str, Any] = {}
+    if json_kwargs is not None:
+        try:
+            loaded = json.loads(json_kwargs)
+        except ValueError as exc:
+            raise CliError(f"--json-kwargs is not valid JSON: {exc}") from None
+        if not isinstance(loaded, dict):
+            raise CliError("--json-kwargs must be a JSON object, e.g. '{\"amount\": 5}'")
+        keywords.update(loaded)
+    for item in kws:
+        name, sep, raw = item.partition("=")
+        if not sep or not name.isidentifier():
+            raise CliError(f"--kw takes NAME=VALUE, got {item!r}")
+        if name in keywords:
+            raise CliError(f"keyword argument {name!r} is given twice")
+        keywords[name] = _parse_value(raw)
+    return positional, keywords
+
+
+def _import_object(spec: str) -> Any:
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise CliError(f"--func takes MODULE:FUNCTION, e.g. myapp.tasks:charge, got {spec!r}")
+    if os.getcwd() not in sys.path:  # like `celery -A`: the current directory is importable
+        sys.path.insert(0, os.getcwd())
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except Exception as exc:
+        raise CliError(f"cannot import {module_name!r}: {type(exc).__name__}: {exc}") from None
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise CliError(f"{module_name!r} has no attribute {attr!r}") from None
+    return obj
+
+
+def _task_function(obj: Any, spec: str) -> tuple[Callable[..., Any], Policy | None]:
+    """The function to bind arguments to, and the Policy of a Celery ``DedupTask``, if any."""
+    run = getattr(obj, "run", None)
+    if callable(run) and hasattr(obj, "apply_async"):  # a Celery task: bind to its body
+        policy = getattr(obj, "_dedup_policy", None)
+        return run, policy if isinstance(policy, Policy) else None
+    if not callable(obj):
+        raise CliError(f"{spec} is not a function (it is a {type(obj).__name__})")
+    return obj, None
+
+
+def _names(value: str | None) -> list[str] | None:
+    if value is None:
+        return None
+    return [name.strip() for name in value.split(",") if name.strip()]
+
+
+@main.command("key")
+@click.argument("task")
+@click.argument("args", nargs=-1)
+@click.option("--kw", "kws", multiple=True, metavar="NAME=VALUE",
+              help="A keyword argument (repeatable); VALUE is JSON when it parses, else a string.")
+@click.option("--json-args", metavar="JSON", help="Positional arguments as a JSON array.")
+@click.option("--json-kwargs", metavar="JSON", help="Keyword arguments as a JSON object.")
+@click.option("--scope", help="The policy's scope (namespace in the key).")
+@click.option("--dedup-key", metavar="KEY",
+              help="An explicit idempotency key (a string): it replaces the arguments.")
+@click.option("--include", metavar="NAMES", help="Only these arguments count (comma-separated).")
+@click.option("--exclude", metavar="NAMES", help="These arguments do not count (comma-separated).")
+@click.option("--func", metavar="MODULE:FUNCTION",
+              help="Bind the arguments to this function's (or Celery task's) signature.")
+@_json_option
+@click.pass_obj
+def key_command(
+    env: _Env, task: str, args: tuple[str, ...], kws: tuple[str, ...], json_args: str | None,
+    json_kwargs: str | None, scope: str | None, dedup_key: str | None, include: str | None,
+    exclude: str | None, func: str | None, as_json: bool,
+) -> None:
+    """Print the identity (digest) and the Redis key of a call of TASK.
+
+    ARGS are JSON when they parse (42, true, null, [1,2], '"42"' for the string), else
+    strings. Put `--` before arguments that start with '-'. No Redis is needed.
+    """
+    positional, keywords = _call_arguments(args, kws, json_args, json_kwargs)
+    function: Callable[..., Any] | None = None
+    base: Policy | None = None
+    if func is not None:
+        function, base = _task_function(_import_object(func), func)
+    try:
+        if include is not None or exclude is not None or base is None:
+            selection: dict[str, Any] = {"include": _names(include), "exclude": _names(exclude)}
+        else:  # the task's own selection (or key function)
+            selection = {"include": base.include, "exclude": base.exclude, "key": base.key}
+        if scope is None and base is not None:
+            scope = base.scope
+        policy = Policy(scope=scope, **selection)
+        dedup = Deduplicator(MemoryStore(), prefix=env.prefix)
+        identity = dedup.identity(
+            task, policy, positional, keywords, func=function, dedup_key=dedup_key
+        )
+    except (TypeError, ValueError) as exc:  # ConfigurationError is a ValueError
+        raise CliError(_one_line(exc)) from None
+    digest = identity.key.rpartition(":")[2]
+    if dedup_key is not None:
+        source = "dedup_key"
+    elif policy.key is not None:
+        source = "key function"
+    else:
+        source = "arguments"
+    data = {
+        "task": task,
+        "scope": policy.scope,
+        "digest": digest,
+        "key": identity.key,
+        "identity_from": source,
+        "check": identity.check or None,
+    }
+    if as_json:
+        _echo_json(data)
+        return
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_column(style="bold")
+    table.add_column(overflow="fold")
+    for name, value in data.items():
+        if value is not None:
+            table.add_row(name, _cell(value))
+    _console().print(table)
+
+
+# -- inspect -----------------------------------------------------------------------------------
+
+
+@main.command("inspect")
+@click.argument("key_or_task")
+@click.argument("digest", required=False)
+@click.option("--scope", help="The scope, with TASK DIGEST.")
+@_json_option
+@click.pass_obj
+def inspect_command(
+    env: _Env, key_or_task: str, digest: str | None, scope: str | None, as_json: bool
+) -> None:
+    """Show one lock: state, owner, TTL, idempotency check.
+
+    Pass a full key (as printed by `taskdedup key` or `list`), or TASK DIGEST.
+    """
+    if digest is not None:
+        if not _DIGEST.fullmatch(digest):
+            raise CliError(f"DIGEST must be 32 lowercase hex characters, got {digest!r}")
+        key = Deduplicator(MemoryStore(), prefix=env.prefix).lock_key(key_or_task, digest, scope)
+        task: str | None = key_or_task
+    elif key_or_task.startswith(env.prefix + ":"):
+        key, task = key_or_task, None
+    else:
+        raise CliError(
+            f"{key_or_task!r} is not a lock key (lock keys start with {env.prefix + ':'!r}); "
+            "pass a full key, or TASK DIGEST"
+        )
+    client = env.client()
+    with _redis_errors(env):
+        pipe = client.pipeline(transaction=True)  # one key: value and TTL read atomically
+        pipe.get(key)
+        pipe.pttl(key)
+        pipe.type(key)
+        replies = pipe.execute(raise_on_error=False)
+        _raise_errors(replies)
+    value, pttl, kind = replies
+    if pttl == -2:
+        if as_json:
+            _echo_json({"key": key, "exists": False})
+        else:
+            click.echo(f"no lock at {key}: never taken, or released, or expired")
+        return
+    lock = _to_lock(env.prefix, key, value, pttl, task)
+    if lock is None:
+        raise CliError(f"{key} holds a {_text(kind)}, not a taskdedup lock")
+    if as_json:
+        _echo_json({**lock.as_dict(), "exists": True})
+        return
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_column(style="bold")
+    table.add_column(overflow="fold")
+    table.add_row("key", _cell(lock.key))
+    table.add_row("task", _cell(lock.task))
+    if lock.scope:
+        table.add_row("scope", _cell(lock.scope))
+    table.add_row("state", _cell(lock.state))
+    table.add_row("owner", _cell(lock.owner))
+    table.add_row("ttl", _cell(_ttl_text(lock.ttl_ms)))
+    table.add_row(
+        "idempotency check", "set (explicit dedup_key)" if lock.check else "not set"
+    )
+    _console().print(table)
+
+
+# -- list --------------------------------------------------------------------------------------
+
+
+@main.command("list")
+@click.option("--task", help="Only the locks of this task.")
+@click.option("--state", type=click.Choice(["queued", "running", "done"]),
+              help="Only locks in this state.")
+@click.option("--limit", type=click.IntRange(min=0), default=100, show_default=True,
+              help="Show at most this many locks (0: all).")
+@_json_option
+@click.pass_obj
+def list_command(
+    env: _Env, task: str | None, state: str | None, limit: int, as_json: bool
+) -> None:
+    """List locks (found with SCAN, never KEYS; read in pipelined batches)."""
+    client = env.client()
+    locks: list[_Lock] = []
+    truncated = False
+    with _redis_errors(env):
+        for lock in _iter_locks(client, env.prefix, task):
+            if state is not None and lock.state != state:
+                continue
+            if limit and len(locks) >= limit:
+                truncated = True
+                break
+            locks.append(lock)
+    locks.sort(key=lambda lock: (lock.task, lock.scope, lock.key))
+    if as_json:
+        _echo_json([lock.as_dict() for lock in locks])
+        return
+    if not locks:
+        click.echo(f"no locks under {env.prefix}:*" + (f" for task {task!r}" if task else "")
+                   + (f" in state {state}" if state else ""))
+        return
+    scoped = any(lock.scope for lock in locks)
+    table = Table(title=f"taskdedup locks at {env.where}", title_justify="left")
+    table.add_column("key", overflow="fold")
+    table.add_column("task")
+    if scoped:
+        table.add_column("scope")
+    table.add_column("state")
+    table.add_column("owner", overflow="fold")
+    table.add_column("ttl", justify="right")
+    for lock in locks:
+        cells = [_cell(lock.key), _cell(lock.task)]
+        if scoped:
+            cells.append(_cell(lock.scope))
+        cells += [_cell(lock.state), _cell(lock.owner), _cell(_ttl_text(lock.ttl_ms))]
+        table.add_row(*cells)
+    console = _console()
+    console.print(table)
+    if truncated:
+        console.print(f"showing the first {limit} locks found; --limit 0 shows all")
+
+
+# -- clear -------------------------------------------------------------------------------------
+
+
+def _delete_locks(client: redis.Redis, prefix: str, keys: Sequence[str], task: str | None) -> int:
+    """DEL those of ``keys`` that are locks (of ``task``); how many were deleted."""
+    locks = _read_locks(client, prefix, keys, task)
+    if not locks:
+        return 0
+    pipe = client.pipeline(transaction=False)
+    for lock in locks:
+        pipe.delete(lock.key)
+    return sum(int(n) for n in pipe.execute())
+
+
+@main.command("clear")
+@click.option("--key", "keys", multiple=True, metavar="KEY", help="This lock key (repeatable).")
+@click.option("--task", help="Every lock of this task.")
+@click.option("--all", "all_", is_flag=True, help="Every lock under the prefix.")
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+@click.pass_obj
+def clear_command(
+    env: _Env, keys: tuple[str, ...], task: str | None, all_: bool, yes: bool
+) -> None:
+    """Delete locks (SCAN + DEL in batches), so their identities can be enqueued again.
+
+    Stats are kept. A task whose lock is deleted while it runs is not stopped, and its
+    completion will find the lock gone (it does not touch a new owner's lock).
+    """
+    chosen = sum((bool(keys), task is not None, all_))
+    if chosen == 0:
+        raise CliError("nothing selected: pass --key KEY, --task TASK or --all")
+    if chosen > 1:
+        raise CliError("pass only one of --key, --task and --all")
+    if keys:
+        what = f"the lock {keys[0]}" if len(keys) == 1 else f"{len(keys)} locks"
+    elif task is not None:
+        what = f"every lock of task {task!r}"
+    else:
+        what = f"every lock under {env.prefix + ':*'!r}"
+    client = env.client()
+    with _redis_errors(env):
+        client.ping()  # a server that is down is reported before asking anything
+    if not yes:
+        click.confirm(f"Delete {what} at {env.where}?", abort=True)
+    deleted = 0
+    with _redis_errors(env):
+        if keys:
+            for batch in _batches(keys):
+                deleted += _delete_locks(client, env.prefix, batch, None)
+        else:
+            for batch in _batches(_scan(client, _lock_pattern(env.prefix, task))):
+                deleted += _delete_locks(client, env.prefix, batch, task)
+    click.echo(f"deleted {deleted} lock{'' if deleted == 1 else 's'}")
+
+
+# -- stats -------------------------------------------------------------------------------------
+
+
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def _stats_table(stats: dict[str, TaskStats], where: str) -> Table:
+    table = Table(title=f"taskdedup stats at {where}", title_justify="left")
+    for name in ("task", "accepted", "duplicates", "dup rate", "skipped", "released (failure)",
+                 "lease lost", "store errors", "gate avg"):
+        table.add_column(name, justify="left" if name == "task" else "right")
+    for item in stats.values():
+        avg = item.gate_avg_ms
+        table.add_row(
+            _cell(item.task), str(item.accepted), str(item.duplicates),
+            _rate(item.duplicate_rate), str(item.skipped), str(item.released_on_failure),
+            str(item.lease_lost), str(item.store_errors),
+            "-" if avg is None else f"{avg:.2f} ms",
+        )
+    return table
+
+
+@main.command("stats")
+@click.option("--task", help="Only this task.")
+@click.option("--watch", type=click.FloatRange(min=0.1), is_flag=False, flag_value=2.0,
+              default=None, metavar="[SECONDS]",
+              help="Refresh every SECONDS (default 2) until Ctrl-C.")
+@_json_option
+@click.pass_obj
+def stats_command(env: _Env, task: str | None, watch: float | None, as_json: bool) -> None:
+    """Show per-task counters: accepted, duplicates, duplicate rate, skipped, failures.
+
+    Per task: accepted enqueues (reserved), duplicates, duplicate rate = duplicates /
+    (accepted + duplicates), skipped executions, locks released on failure, lost leases,
+    store errors and the mean gate latency. Counts are those flushed to Redis by producers
+    and workers (every few seconds). With --json --watch, one JSON object per line.
+    """
+    client = env.client()
+
+    def read() -> dict[str, TaskStats]:
+        with _redis_errors(env):
+            return read_stats(client, env.prefix, task)
+
+    def as_data(stats: dict[str, TaskStats]) -> dict[str, Any]:
+        return {name: item.as_dict() for name, item in stats.items()}
+
+    if watch is None:
+        stats = read()
+        if as_json:
+            _echo_json(as_data(stats))
+        elif not stats:
+            click.echo(_no_stats(env.prefix, task))
+        else:
+            _console().print(_stats_table(stats, env.where))
+        return
+    try:
+        if as_json:
+            while True:
+                _echo_json(
+                    {"time": datetime.now(UTC).isoformat(), "tasks": as_data(read())},
+                    compact=True,
+                )
+                _pause(watch)
+        from rich.live import Live
+
+        console = _console()
+        with Live(console=console, auto_refresh=False) as live:
+            while True:
+                stats = read()
+                view: Table | Text = (
+                    _stats_table(stats, env.where) if stats else Text(_no_stats(env.prefix, task))
+                )
+                live.update(view, refresh=True)
+                _pause(watch)
+    except KeyboardInterrupt:
+        return
+
+
+def _pause(seconds: float) -> None:
+    """Wait between two refreshes of ``stats --watch`` (a seam for tests)."""
+    time.sleep(seconds)
+
+
+def _no_stats(prefix: str, task: str | None) -> str:
+    where = stats_key(prefix, task) if task is not None else stats_key(prefix, "*")
+    return (
+        f"no stats at {where} yet (producers and workers flush them every few seconds "
+        "once taskdedup.stats is attached)"
+    )
+

@@ -1,0 +1,130 @@
+"""Prometheus export of taskdedup's events (``pip install 'taskdedup[prometheus]'``).
+
+:class:`PrometheusListener` is a listener on :attr:`Deduplicator.events
+<taskdedup.core.Deduplicator.events>` that exports:
+
+* ``taskdedup_events_total{task, event}`` — a counter per event (``reserved``, ``duplicate``,
+  ``claimed``, ``skipped``, ``completed``, ``released``, ``lease_lost``, ``store_error``);
+* ``taskdedup_gate_seconds{task}`` — a histogram of the enqueue gate's store call.
+
+Labels are the task name and the event only, never an argument, a key or a task id, so the
+cardinality stays at (tasks x events). ``prometheus_client`` is imported when a listener is
+built, not when taskdedup is imported. Serving the metrics (``start_http_server``, and the
+multiprocess mode a prefork Celery worker needs) is left to the application, as usual.
+
+Example::
+
+    from taskdedup.celery import get_deduplicator
+    from taskdedup.metrics import attach
+
+    attach(get_deduplicator(app))
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+import weakref
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Final
+
+from .events import DedupEvent
+
+if TYPE_CHECKING:
+    from .core import Deduplicator
+
+__all__ = ["GATE_BUCKETS", "INSTALL_HINT", "PrometheusListener", "attach"]
+
+INSTALL_HINT: Final = "pip install 'taskdedup[prometheus]'"
+
+GATE_BUCKETS: Final = (
+    0.0002, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+)
+"""Histogram buckets (seconds) for the gate: one Redis round trip, usually sub-millisecond."""
+
+# registry → (counter, histogram): one set of metric objects per registry, so two
+# Deduplicators (two apps) in one process do not register the same names twice.
+_METRICS: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDictionary()
+_METRICS_LOCK = threading.Lock()
+_ATTACHED: weakref.WeakKeyDictionary[Any, PrometheusListener] = weakref.WeakKeyDictionary()
+
+
+def _prometheus() -> ModuleType:
+    try:
+        return importlib.import_module("prometheus_client")
+    except ImportError as exc:
+        raise ImportError(
+            f"taskdedup.metrics needs prometheus_client, which is not installed: {INSTALL_HINT}",
+            name="prometheus_client",
+        ) from exc
+
+
+class PrometheusListener:
+    """Counts events and observes gate latency in Prometheus metrics.
+
+    Args:
+        registry: the ``CollectorRegistry`` to register in (default: prometheus_client's
+            global ``REGISTRY``). Listeners on the same registry share their metrics.
+
+    Raises:
+        ImportError: ``prometheus_client`` is not installed (the message says what to run).
+    """
+
+    def __init__(self, registry: Any = None) -> None:
+        prometheus = _prometheus()
+        if registry is None:
+            registry = prometheus.REGISTRY
+        self.registry = registry
+        with _METRICS_LOCK:
+            metrics = _METRICS.get(registry)
+            if metrics is None:
+                metrics = (
+                    prometheus.Counter(
+                        "taskdedup_events",
+                        "taskdedup events by task and event (reserved, duplicate, claimed, "
+                        "skipped, completed, released, lease_lost, store_error).",
+                        ("task", "event"),
+                        registry=registry,
+                    ),
+                    prometheus.Histogram(
+                        "taskdedup_gate_seconds",
+                        "Time the enqueue gate's store call took, by task.",
+                        ("task",),
+                        registry=registry,
+                        buckets=GATE_BUCKETS,
+                    ),
+                )
+                _METRICS[registry] = metrics
+        self.events_total, self.gate_seconds = metrics
+        # Label lookups take a lock in prometheus_client; the children are cached here.
+        self._counters: dict[tuple[str, str], Any] = {}
+        self._histograms: dict[str, Any] = {}
+
+    def __call__(self, event: DedupEvent) -> None:
+        name = event.event.value
+        counter = self._counters.get((event.task, name))
+        if counter is None:
+            counter = self._counters[(event.task, name)] = self.events_total.labels(
+                event.task, name
+            )
+        counter.inc()
+        if event.seconds is not None:
+            histogram = self._histograms.get(event.task)
+            if histogram is None:
+                histogram = self._histograms[event.task] = self.gate_seconds.labels(event.task)
+            histogram.observe(event.seconds)
+
+
+def attach(dedup: Deduplicator, registry: Any = None) -> PrometheusListener:
+    """Export ``dedup``'s events to Prometheus; returns the listener (the same one if called
+    again for this Deduplicator).
+
+    Raises:
+        ImportError: ``prometheus_client`` is not installed (the message says what to run).
+    """
+    listener = _ATTACHED.get(dedup)
+    if listener is None:
+        listener = PrometheusListener(registry)
+        dedup.events.add(listener)
+        _ATTACHED[dedup] = listener
+    return listener

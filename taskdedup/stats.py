@@ -1,0 +1,464 @@
+"""Counters kept in Redis without a round trip on the hot path.
+
+A :class:`StatsRecorder` is a listener on :attr:`Deduplicator.events
+<taskdedup.core.Deduplicator.events>`: each event only bumps a counter in process memory.
+A daemon thread flushes the deltas every ``interval`` seconds (default 5), and once more at
+interpreter exit, as one pipeline of ``HINCRBY`` into one hash per task::
+
+    {prefix}:stats:{task}     e.g. taskdedup:stats:payments.charge
+
+One key per task, so Redis Cluster spreads them over slots, and nothing lists the tasks in
+a set that would pin one slot: readers find them with ``SCAN {prefix}:stats:*``
+(:func:`read_stats`, ``taskdedup stats``). Fields:
+
+* one per event: ``reserved``, ``duplicate``, ``claimed``, ``skipped``, ``completed``,
+  ``released``, ``lease_lost``, ``store_error``;
+* ``{event}:{detail}`` beside it when the event carries a detail, e.g. ``released:failed``,
+  ``released:revoked``, ``duplicate:replaced``, ``skipped:running``, ``store_error:enqueue``;
+* gate latency (``DedupEvent.seconds``): ``gate:count``, ``gate:sum_us`` (microseconds)
+  and cumulative buckets ``gate:le_1ms`` … ``gate:le_1000ms`` (Prometheus-style).
+
+No argument value is ever recorded: the fields come from the task name, the event and its
+detail (a word chosen by taskdedup). A failed flush is logged at WARNING and its deltas are
+kept for the next one; a flush cut mid-pipeline may count the sent part twice (counters are
+statistics, not a ledger). After a fork the child starts from zero and runs its own thread:
+the parent's pending deltas stay the parent's to flush.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import re
+import threading
+import time
+import weakref
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final
+
+import redis
+
+from .events import DedupEvent, Event, logger
+from .exceptions import ConfigurationError
+from .stores.redis import RedisStore, describe_client
+
+if TYPE_CHECKING:
+    from .core import Deduplicator
+
+__all__ = [
+    "DEFAULT_INTERVAL",
+    "FAILURE_REASONS",
+    "GATE_BUCKETS_MS",
+    "StatsRecorder",
+    "TaskStats",
+    "attach",
+    "flush_all",
+    "read_stats",
+    "stats_key",
+]
+
+DEFAULT_INTERVAL: Final = 5.0
+"""Seconds between two flushes of a process's deltas."""
+
+GATE_BUCKETS_MS: Final = (1, 5, 25, 100, 1000)
+"""Upper bounds (milliseconds) of the cumulative gate latency buckets ``gate:le_{b}ms``."""
+
+FAILURE_REASONS: Final = frozenset({"failed", "rejected"})
+"""``released`` details that count as "released on failure" (final failure, ``Reject``)."""
+
+_STATS_SEGMENT: Final = "stats"
+_READ_BATCH: Final = 500
+_WARN_EVERY: Final = 60.0
+# Details are words chosen by taskdedup; anything else is not recorded as its own field,
+# so a surprising detail can never grow a hash without bound.
+_DETAIL: Final = re.compile(r"[a-z0-9_.:-]{1,40}")
+_SKIPPED_STATES: Final = {"Q": "queued", "R": "running", "D": "done"}
+_GATE_FIELDS: Final = tuple(f"gate:le_{bound}ms" for bound in GATE_BUCKETS_MS)
+_GATE_BOUNDS_US: Final = tuple(bound * 1000 for bound in GATE_BUCKETS_MS)
+
+
+def stats_key(prefix: str, task: str) -> str:
+    """The hash holding the counters of ``task``: ``{prefix}:stats:{task}``."""
+    return f"{prefix}:{_STATS_SEGMENT}:{task}"
+
+
+def event_fields(event: DedupEvent) -> list[tuple[str, int]]:
+    """The ``(field, increment)`` pairs one event adds to its task's hash."""
+    name = event.event.value
+    fields = [(name, 1)]
+    detail = event.detail
+    if detail:
+        if event.event is Event.SKIPPED:
+            detail = _SKIPPED_STATES.get(detail, detail)
+        if _DETAIL.fullmatch(detail):
+            fields.append((f"{name}:{detail}", 1))
+    seconds = event.seconds
+    if seconds is not None and seconds >= 0:
+        micros = round(seconds * 1_000_000)
+        fields.append(("gate:count", 1))
+        fields.append(("gate:sum_us", micros))
+        for bound, bucket in zip(_GATE_BOUNDS_US, _GATE_FIELDS, strict=True):
+            if micros <= bound:
+                fields.append((bucket, 1))
+    return fields
+
+
+# Every live recorder, for the fork and exit hooks (weak: a dropped recorder just goes away).
+_RECORDERS: weakref.WeakSet[StatsRecorder] = weakref.WeakSet()
+# Deduplicator → its recorder, so attach() is idempotent.
+_ATTACHED: weakref.WeakKeyDictionary[Any, StatsRecorder] = weakref.WeakKeyDictionary()
+
+
+class StatsRecorder:
+    """Counts events per (task, field) in memory and flushes them to Redis from a thread.
+
+    The listener call takes a lock and bumps a ``Counter``: no I/O on the task's path. The
+    flush thread starts with the first event of each process (a new one after a fork).
+
+    Args:
+        client: the Redis client to write to (usually the store's).
+        prefix: the key prefix of the Deduplicator (``{prefix}:stats:{task}``).
+        interval: seconds between flushes.
+
+    Example::
+
+        recorder = StatsRecorder(redis.Redis(), interval=5)
+        dedup.events.add(recorder)
+    """
+
+    def __init__(
+        self, client: redis.Redis, *, prefix: str = "taskdedup", interval: float = DEFAULT_INTERVAL
+    ) -> None:
+        if isinstance(interval, bool) or not isinstance(interval, (int, float)) or interval <= 0:
+            raise ConfigurationError(
+                f"stats interval must be a positive number of seconds, got {interval!r}"
+            )
+        self.client = client
+        self.prefix = prefix
+        self.interval = float(interval)
+        self._init_process_state()
+        _RECORDERS.add(self)
+
+    def _init_process_state(self) -> None:
+        """Fresh locks, no deltas, no thread: at construction and in a forked child."""
+        self._lock = threading.Lock()
+        self._flush_lock = threading.Lock()
+        self._pending: dict[str, Counter[str]] = {}
+        self._pid = os.getpid()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._failing_since: float | None = None
+        self._last_warning = 0.0
+
+    # -- the listener (hot path) ----------------------------------------------------------
+
+    def __call__(self, event: DedupEvent) -> None:
+        fields = event_fields(event)
+        with self._lock:
+            counts = self._pending.get(event.task)
+            if counts is None:
+                counts = self._pending[event.task] = Counter()
+            for name, increment in fields:
+                counts[name] += increment
+        if self._thread is None or self._pid != os.getpid():
+            self._start_thread()
+
+    def pending(self) -> dict[str, dict[str, int]]:
+        """The deltas not flushed yet, ``{task: {field: n}}`` (a copy)."""
+        with self._lock:
+            return {task: dict(counts) for task, counts in self._pending.items() if counts}
+
+    # -- flushing -------------------------------------------------------------------------
+
+    def flush(self) -> bool:
+        """Write the pending deltas with one pipeline; True when nothing is left pending.
+
+        Never raises: an error is logged at WARNING and the deltas that were not written
+        are kept for the next flush.
+        """
+        if self._pid != os.getpid():  # forked and not called since: the deltas were the parent's
+            self._reset_after_fork()
+        with self._flush_lock:
+            with self._lock:
+                batch, self._pending = self._pending, {}
+            entries = [
+                (task, name, n) for task, counts in batch.items() for name, n in counts.items() if n
+            ]
+            if not entries:
+                return True
+            failed: list[tuple[str, str, int]] = []
+            error: BaseException | None = None
+            try:
+                pipe = self.client.pipeline(transaction=False)
+                for task, name, n in entries:
+                    pipe.hincrby(stats_key(self.prefix, task), name, n)
+                replies = pipe.execute(raise_on_error=False)
+            except Exception as exc:  # connection refused, timeout, ...: keep everything
+                failed, error = entries, exc
+            else:
+                for entry, reply in zip(entries, replies, strict=True):
+                    if isinstance(reply, Exception):
+                        failed.append(entry)
+                        error = reply
+            if failed:
+                self._restore(failed)
+                self._warn(len(failed), error)
+                return False
+            if self._failing_since is not None:
+                logger.info("taskdedup: stats flushed again to %s", describe_client(self.client))
+                self._failing_since = None
+            return True
+
+    def _restore(self, entries: Iterable[tuple[str, str, int]]) -> None:
+        with self._lock:
+            for task, name, n in entries:
+                counts = self._pending.get(task)
+                if counts is None:
+                    counts = self._pending[task] = Counter()
+                counts[name] += n
+
+    def _warn(self, count: int, error: BaseException | None) -> None:
+        now = time.monotonic()
+        if self._failing_since is None:
+            self._failing_since = now
+        elif now - self._last_warning < _WARN_EVERY:
+            return  # still failing: one warning a minute is enough
+        self._last_warning = now
+        logger.warning(
+            "taskdedup: could not flush stats to Redis at %s (%s: %s); keeping %d deltas "
+            "for the next flush",
+            describe_client(self.client), type(error).__name__, error, count,
+        )
+
+    # -- the thread -----------------------------------------------------------------------
+
+    def _start_thread(self) -> None:
+        if self._pid != os.getpid():
+            self._reset_after_fork()
+        with self._lock:
+            if self._thread is not None:
+                return
+            self._thread = threading.Thread(
+                target=_flush_loop,
+                args=(weakref.ref(self), self._stop, self.interval),
+                name="taskdedup-stats",
+                daemon=True,
+            )
+            self._thread.start()
+
+    def _reset_after_fork(self) -> None:
+        # Locks copied by fork may be held by a thread that does not exist here.
+        self._init_process_state()
+
+    def close(self, *, flush: bool = True) -> bool:
+        """Stop the flush thread and (by default) flush what is pending; True if all written."""
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=2.0)  # mid-flush at worst; never hold an exit for long
+        self._thread = None
+        self._stop = threading.Event()
+        return self.flush() if flush else True
+
+
+def _flush_loop(ref: weakref.ref[StatsRecorder], stop: threading.Event, interval: float) -> None:
+    while not stop.wait(interval):
+        recorder = ref()
+        if recorder is None:
+            return
+        try:
+            recorder.flush()
+        except Exception:  # the thread must survive anything
+            logger.exception("taskdedup: stats flush failed")
+        del recorder
+
+
+def _after_fork_in_child() -> None:
+    for recorder in list(_RECORDERS):
+        recorder._reset_after_fork()
+
+
+def flush_all() -> bool:
+    """Flush every recorder of this process now; True when nothing is left pending.
+
+    For processes that end without running ``atexit`` handlers (a Celery pool child exits
+    with ``os._exit``): call it from ``worker_process_shutdown``. Never raises.
+    """
+    ok = True
+    for recorder in list(_RECORDERS):
+        if recorder._pid == os.getpid():
+            ok = recorder.flush() and ok
+    return ok
+
+
+def _flush_at_exit() -> None:
+    """Best effort: write what is pending when the interpreter exits."""
+    for recorder in list(_RECORDERS):
+        if recorder._pid != os.getpid():
+            continue
+        try:
+            recorder.close()
+        except Exception:  # never in the way of an exit
+            pass
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+atexit.register(_flush_at_exit)
+
+
+def attach(
+    dedup: Deduplicator,
+    *,
+    client: redis.Redis | None = None,
+    interval: float = DEFAULT_INTERVAL,
+) -> StatsRecorder | None:
+    """Record ``dedup``'s events in Redis; returns its recorder (the same one if called again).
+
+    ``client`` defaults to the client of ``dedup.store`` when it is a
+    :class:`~taskdedup.stores.RedisStore`; for another store (``MemoryStore``) without a
+    client there is nowhere to write, and None is returned.
+    """
+    recorder = _ATTACHED.get(dedup)
+    if recorder is not None:
+        return recorder
+    if client is None:
+        store = dedup.store
+        if not isinstance(store, RedisStore):
+            return None
+        client = store.client
+    recorder = StatsRecorder(client, prefix=dedup.prefix, interval=interval)
+    dedup.events.add(recorder)
+    _ATTACHED[dedup] = recorder
+    return recorder
+
+
+# -- reading ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TaskStats:
+    """The flushed counters of one task, with the figures an operator asks for."""
+
+    task: str
+    fields: Mapping[str, int] = field(default_factory=dict)
+
+    def get(self, name: str) -> int:
+        return self.fields.get(name, 0)
+
+    @property
+    def accepted(self) -> int:
+        """Enqueues accepted (``reserved``)."""
+        return self.get("reserved")
+
+    @property
+    def duplicates(self) -> int:
+        """Enqueues found to be duplicates."""
+        return self.get("duplicate")
+
+    @property
+    def skipped(self) -> int:
+        """Executions skipped because another id held (or had done) the identity."""
+        return self.get("skipped")
+
+    @property
+    def released_on_failure(self) -> int:
+        """Locks released after a final failure (see :data:`FAILURE_REASONS`)."""
+        return sum(self.get(f"released:{reason}") for reason in FAILURE_REASONS)
+
+    @property
+    def lease_lost(self) -> int:
+        return self.get("lease_lost")
+
+    @property
+    def store_errors(self) -> int:
+        return self.get("store_error")
+
+    @property
+    def duplicate_rate(self) -> float | None:
+        """``duplicates / (accepted + duplicates)``; None before any enqueue."""
+        total = self.accepted + self.duplicates
+        return self.duplicates / total if total else None
+
+    @property
+    def gate_count(self) -> int:
+        return self.get("gate:count")
+
+    @property
+    def gate_avg_ms(self) -> float | None:
+        """Mean gate latency in milliseconds; None when nothing was measured."""
+        count = self.gate_count
+        return self.get("gate:sum_us") / count / 1000 if count else None
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-ready summary: the operator figures, the gate latency and every raw field."""
+        return {
+            "task": self.task,
+            "accepted": self.accepted,
+            "duplicates": self.duplicates,
+            "duplicate_rate": self.duplicate_rate,
+            "skipped": self.skipped,
+            "completed": self.get("completed"),
+            "released_on_failure": self.released_on_failure,
+            "lease_lost": self.lease_lost,
+            "store_errors": self.store_errors,
+            "gate": {
+                "count": self.gate_count,
+                "avg_ms": self.gate_avg_ms,
+                "le_ms": {str(b): self.get(f"gate:le_{b}ms") for b in GATE_BUCKETS_MS},
+            },
+            "fields": dict(sorted(self.fields.items())),
+        }
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode("utf-8", "surrogateescape") if isinstance(value, bytes) else value
+
+
+def _glob_escape(text: str) -> str:
+    return re.sub(r"([\\*?\[\]])", r"\\\1", text)
+
+
+def read_stats(
+    client: redis.Redis, prefix: str = "taskdedup", task: str | None = None
+) -> dict[str, TaskStats]:
+    """The flushed counters per task, found with SCAN (never KEYS), read in pipelines.
+
+    With ``task``, only that task's hash is read. Keys under ``{prefix}:stats:`` that are not
+    hashes (a lock of a task named ``stats``) are skipped.
+
+    Raises:
+        redis.RedisError: Redis could not be reached or refused a command.
+    """
+    head = stats_key(prefix, "")
+    if task is not None:
+        keys: Iterable[Any] = [stats_key(prefix, task)]
+    else:
+        keys = client.scan_iter(match=_glob_escape(head) + "*", count=1000)
+    out: dict[str, TaskStats] = {}
+    batch: list[str] = []
+
+    def read(batch: list[str]) -> None:
+        pipe = client.pipeline(transaction=False)
+        for key in batch:
+            pipe.hgetall(key)
+        for key, reply in zip(batch, pipe.execute(raise_on_error=False), strict=True):
+            if isinstance(reply, Exception):
+                if str(reply).startswith("WRONGTYPE"):
+                    continue  # not a stats hash
+                raise reply
+            if not reply:
+                continue  # gone since the SCAN
+            fields = {_text(k): int(v) for k, v in reply.items()}
+            name = key[len(head):]
+            out[name] = TaskStats(name, fields)
+
+    for key in keys:
+        batch.append(_text(key))
+        if len(batch) >= _READ_BATCH:
+            read(batch)
+            batch = []
+    if batch:
+        read(batch)
+    return dict(sorted(out.items()))
