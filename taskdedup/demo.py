@@ -1,0 +1,318 @@
+"""``taskdedup demo``: duplicate deliveries against real workers, and the proof of exactly once.
+
+With no ``--url`` it starts a throwaway Redis (the pip-installed ``valkey-server`` of
+``taskdedup[server]``), then a real Celery worker and a real RQ worker in subprocesses, and
+fires the same burst at each: webhook retries of five payments, a double click, a redelivery
+that bypasses the enqueue gate, and one job that fails once and must be retried. It ends with
+a table per framework and exits 1 unless every side effect happened exactly once.
+
+The task functions live in this module so the worker subprocesses can import them; their
+side effects are counted in a Redis hash (``HINCRBY``), one field per business effect.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import click
+import redis
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn
+from rich.table import Table
+
+from .policy import Policy
+
+__all__ = ["demo"]
+
+URL = os.environ.get("TASKDEDUP_DEMO_URL") or "redis://127.0.0.1:6379/0"
+PREFIX = "taskdedup-demo"
+QUEUE = "taskdedup-demo"
+ORDERS = [f"ORD-{n}" for n in range(101, 106)]
+WEBHOOK_DELIVERIES = 3  # the provider retries each payment webhook twice
+FLAKY_COUNTDOWN = 1.0
+
+# -- side effects (run inside the workers) -------------------------------------------------
+
+_client: redis.Redis | None = None
+
+
+def _redis() -> redis.Redis:
+    global _client
+    if _client is None or _client.connection_pool.pid != os.getpid():  # type: ignore[attr-defined]
+        _client = redis.Redis.from_url(URL)
+    return _client
+
+
+def _effect(framework: str, what: str) -> None:
+    _redis().hincrby(f"{PREFIX}:effects:{framework}", what, 1)
+
+
+def _attempt(framework: str, what: str) -> int:
+    return int(_redis().hincrby(f"{PREFIX}:attempts:{framework}", what, 1))
+
+
+def charge(framework: str, order_id: str, amount_cents: int) -> str:
+    """Charge a card: must happen once per order."""
+    _effect(framework, f"charge {order_id}")
+    return f"charged {amount_cents} for {order_id}"
+
+
+def send_welcome(framework: str, user_id: int) -> str:
+    """Send a welcome e-mail: must happen once per user."""
+    _effect(framework, f"welcome e-mail to user {user_id}")
+    return f"welcomed {user_id}"
+
+
+class FlakyError(RuntimeError):
+    """The first attempt of ``sync_inventory`` fails: the retry must run."""
+
+
+def sync_inventory(framework: str, sku: str) -> str:
+    """Fails on its first attempt; the retry must not be swallowed."""
+    if _attempt(framework, sku) == 1:
+        raise FlakyError(f"inventory service timed out for {sku}")
+    _effect(framework, f"inventory sync {sku}")
+    return f"synced {sku}"
+
+
+# -- the Celery side -----------------------------------------------------------------------
+
+def _celery_app() -> Any:
+    from celery import Celery
+
+    from .celery import DedupTask
+
+    app = Celery("taskdedup_demo", broker=URL, backend=URL, set_as_current=False)
+    app.conf.update(
+        taskdedup_url=URL, taskdedup_prefix=PREFIX, taskdedup_stats_interval=0.2,
+        task_default_queue=QUEUE, broker_connection_retry_on_startup=True,
+        worker_hijack_root_logger=False, worker_prefetch_multiplier=1,
+    )
+    policy = Policy(ttl=600)
+
+    @app.task(base=DedupTask, dedup=policy, name="demo.celery.charge")
+    def celery_charge(order_id: str, amount_cents: int) -> str:
+        return charge("celery", order_id, amount_cents)
+
+    @app.task(base=DedupTask, dedup=Policy(mode="until_executed"), name="demo.celery.send_welcome")
+    def celery_welcome(user_id: int) -> str:
+        return send_welcome("celery", user_id)
+
+    @app.task(base=DedupTask, bind=True, dedup=Policy(mode="until_executed"),
+              name="demo.celery.sync_inventory", max_retries=3)
+    def celery_sync(self: Any, sku: str) -> str:
+        try:
+            return sync_inventory("celery", sku)
+        except FlakyError as exc:
+            raise self.retry(exc=exc, countdown=FLAKY_COUNTDOWN) from exc
+
+    app.demo_tasks = (celery_charge, celery_welcome, celery_sync)  # type: ignore[attr-defined]
+    return app
+
+
+celery_app: Any = None
+if os.environ.get("TASKDEDUP_DEMO_WORKER") == "celery":  # imported by the worker subprocess
+    celery_app = _celery_app()
+
+
+# -- the scenario --------------------------------------------------------------------------
+
+@dataclass
+class Tally:
+    """What one framework saw."""
+
+    sent: int = 0
+    handles: list[str] = field(default_factory=list)
+    bypassed: int = 0
+
+    @property
+    def enqueued(self) -> int:
+        return len(set(self.handles)) + self.bypassed
+
+
+EXPECTED = {
+    *(f"charge {order}" for order in ORDERS),
+    "welcome e-mail to user 7",
+    "inventory sync SKU-1",
+}
+
+
+def _run_celery(tally: Tally) -> None:
+    app = _celery_app()
+    charge_task, welcome_task, sync_task = app.demo_tasks
+
+    def send(call: Callable[[], Any]) -> None:
+        tally.sent += 1
+        result = call()
+        if result is not None:
+            tally.handles.append(result.id)
+
+    for _ in range(WEBHOOK_DELIVERIES):  # the provider retries every payment webhook
+        for order in ORDERS:
+            send(lambda order=order: charge_task.delay(order, 5000))
+    send(lambda: welcome_task.delay(7))  # a double click
+    send(lambda: welcome_task.delay(7))
+    send(lambda: sync_task.delay("SKU-1"))  # fails once, retried
+    # A redelivery that never saw the gate (another producer, a requeued message):
+    tally.sent += 1
+    tally.bypassed += 1
+    app.send_task("demo.celery.charge", (ORDERS[0], 5000), queue=QUEUE)
+    # A duplicate while the flaky task waits for its retry: still suppressed.
+    _wait(lambda: _attempts("celery", "SKU-1") >= 1, "first inventory attempt")
+    send(lambda: sync_task.delay("SKU-1"))
+
+
+def _attempts(framework: str, what: str) -> int:
+    return int(_redis().hget(f"{PREFIX}:attempts:{framework}", what) or 0)
+
+
+def _effects(framework: str) -> dict[str, int]:
+    raw = _redis().hgetall(f"{PREFIX}:effects:{framework}")
+    return {k.decode(): int(v) for k, v in raw.items()}
+
+
+def _wait(condition: Callable[[], Any], what: str, timeout: float = 60.0) -> Any:
+    from .testing import wait_for
+
+    return wait_for(condition, timeout=timeout, interval=0.05, what=what)
+
+
+# -- processes -----------------------------------------------------------------------------
+
+@contextmanager
+def _process(args: list[str], env: dict[str, str], ready: Callable[[str], bool]) -> Iterator[None]:
+    """A worker subprocess in its own process group, killed with its children on exit."""
+    import tempfile
+
+    log = tempfile.NamedTemporaryFile(prefix="taskdedup-demo-", suffix=".log", delete=False)
+    proc = subprocess.Popen(
+        args, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+    def output() -> str:
+        with open(log.name, errors="replace") as f:
+            return f.read()
+
+    try:
+        def started() -> bool:
+            if proc.poll() is not None:
+                raise click.ClickException(f"worker exited early:\n{output()[-2000:]}")
+            return ready(output())
+
+        _wait(started, f"{args[2]} worker to start")
+        yield
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=5)
+        log.close()
+        os.unlink(log.name)
+
+
+def _celery_worker(env: dict[str, str]) -> Any:
+    return _process(
+        [sys.executable, "-m", "celery", "-A", "taskdedup.demo:celery_app", "worker",
+         "-P", "prefork", "-c", "2", "-Q", QUEUE, "-l", "INFO", "--without-gossip",
+         "--without-mingle", "--without-heartbeat", "-n", f"demo-{os.getpid()}@%h"],
+        {**env, "TASKDEDUP_DEMO_WORKER": "celery"},
+        lambda out: " ready." in out,
+    )
+
+
+# -- the command ---------------------------------------------------------------------------
+
+@click.command("demo")
+@click.option("--url", "demo_url", default=None,
+              help="Use this Redis (default: start a throwaway valkey-server on loopback).")
+@click.pass_context
+def demo(ctx: click.Context, demo_url: str | None) -> None:
+    """Fire duplicate deliveries at real Celery and RQ workers; prove exactly-once effects."""
+    global URL, _client
+    console = Console()
+    with ExitStack() as stack:
+        url = demo_url or (ctx.obj.url if ctx.obj is not None and ctx.obj.url else None)
+        if url is None:
+            from .testing import RedisServer
+
+            server = RedisServer().start()
+            stack.callback(server.cleanup)
+            url = server.url
+            console.print(f"started a throwaway Redis ([bold]valkey-server[/]) at {url}")
+        URL, _client = url, None
+        _clean()
+        env = {**os.environ, "TASKDEDUP_DEMO_URL": url}
+
+        tallies: dict[str, Tally] = {}
+        with Progress(TextColumn("{task.description}"), BarColumn(),
+                      TextColumn("{task.completed}/{task.total}"), console=console) as progress:
+            job = progress.add_task("starting the Celery worker", total=len(EXPECTED))
+            with _celery_worker(env):
+                progress.update(job, description="Celery: firing duplicates")
+                tallies["Celery"] = tally = Tally()
+                _run_celery(tally)
+                progress.update(job, description="Celery: waiting for the workers")
+                _wait(lambda: _settled("celery", tally, progress, job), "Celery effects")
+        ok = _report(console, tallies)
+    ctx.exit(0 if ok else 1)
+
+
+def _settled(framework: str, tally: Tally, progress: Progress, job: Any) -> bool:
+    effects = _effects(framework)
+    progress.update(job, completed=len(set(effects) & EXPECTED))
+    done = set(effects) >= EXPECTED and _attempts(framework, "SKU-1") >= 2
+    return done and _skipped(framework) >= tally.bypassed  # the redelivery was seen
+
+
+def _skipped(framework: str) -> int:
+    from .stats import read_stats
+
+    stats = read_stats(_redis(), PREFIX)
+    return sum(s.skipped for task, s in stats.items() if task.startswith(f"demo.{framework}."))
+
+
+def _clean() -> None:
+    client = _redis()
+    for key in client.scan_iter(match=f"{PREFIX}:*", count=1000):
+        client.delete(key)
+    client.delete(QUEUE)
+
+
+def _report(console: Console, tallies: dict[str, Tally]) -> bool:
+    table = Table(title="taskdedup demo: duplicates in, exactly-once effects out")
+    for column in ("", "sent", "enqueued", "suppressed", "skipped", "executed", "retried",
+                   "once"):
+        table.add_column(column, justify="right" if column else "left")
+    ok = True
+    for name, tally in tallies.items():
+        framework = name.lower()
+        effects = _effects(framework)
+        once = set(effects) == EXPECTED and all(n == 1 for n in effects.values())
+        ok = ok and once
+        table.add_row(
+            name, str(tally.sent), str(tally.enqueued), str(tally.sent - tally.enqueued),
+            str(_skipped(framework)), str(sum(effects.values())),
+            str(max(0, _attempts(framework, "SKU-1") - 1)),
+            "[green]yes[/]" if once else "[red]NO[/]",
+        )
+    console.print(table)
+    console.print(
+        "suppressed: duplicates refused at enqueue (the caller got the original's handle); "
+        "skipped: duplicates that reached a worker without the gate and did not run"
+    )
+    for name in tallies:
+        for what, n in sorted(_effects(name.lower()).items()):
+            mark = "[green]✓[/]" if n == 1 else "[red]✗[/]"
+            console.print(f"  {mark} {name}: {what} × {n}")
+    return ok
