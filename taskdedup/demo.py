@@ -19,6 +19,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import click
@@ -45,7 +46,7 @@ _client: redis.Redis | None = None
 
 def _redis() -> redis.Redis:
     global _client
-    if _client is None or _client.connection_pool.pid != os.getpid():  # type: ignore[attr-defined]
+    if _client is None or _client.connection_pool.pid != os.getpid():
         _client = redis.Redis.from_url(URL)
     return _client
 
@@ -84,6 +85,21 @@ def sync_inventory(framework: str, sku: str) -> str:
 
 # -- the Celery side -----------------------------------------------------------------------
 
+def _celery_charge(order_id: str, amount_cents: int) -> str:
+    return charge("celery", order_id, amount_cents)
+
+
+def _celery_welcome(user_id: int) -> str:
+    return send_welcome("celery", user_id)
+
+
+def _celery_sync(self: Any, sku: str) -> str:
+    try:
+        return sync_inventory("celery", sku)
+    except FlakyError as exc:
+        raise self.retry(exc=exc, countdown=FLAKY_COUNTDOWN) from exc
+
+
 def _celery_app() -> Any:
     from celery import Celery
 
@@ -95,25 +111,16 @@ def _celery_app() -> Any:
         task_default_queue=QUEUE, broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=False, worker_prefetch_multiplier=1,
     )
-    policy = Policy(ttl=600)
-
-    @app.task(base=DedupTask, dedup=policy, name="demo.celery.charge")
-    def celery_charge(order_id: str, amount_cents: int) -> str:
-        return charge("celery", order_id, amount_cents)
-
-    @app.task(base=DedupTask, dedup=Policy(mode="until_executed"), name="demo.celery.send_welcome")
-    def celery_welcome(user_id: int) -> str:
-        return send_welcome("celery", user_id)
-
-    @app.task(base=DedupTask, bind=True, dedup=Policy(mode="until_executed"),
-              name="demo.celery.sync_inventory", max_retries=3)
-    def celery_sync(self: Any, sku: str) -> str:
-        try:
-            return sync_inventory("celery", sku)
-        except FlakyError as exc:
-            raise self.retry(exc=exc, countdown=FLAKY_COUNTDOWN) from exc
-
-    app.demo_tasks = (celery_charge, celery_welcome, celery_sync)  # type: ignore[attr-defined]
+    tasks = (
+        app.task(base=DedupTask, dedup=Policy(ttl=600), name="demo.celery.charge")(
+            _celery_charge
+        ),
+        app.task(base=DedupTask, dedup=Policy(mode="until_executed"),
+                 name="demo.celery.send_welcome")(_celery_welcome),
+        app.task(base=DedupTask, bind=True, dedup=Policy(mode="until_executed"),
+                 name="demo.celery.sync_inventory", max_retries=3)(_celery_sync),
+    )
+    app.demo_tasks = tasks
     return app
 
 
@@ -156,7 +163,7 @@ def _run_celery(tally: Tally) -> None:
 
     for _ in range(WEBHOOK_DELIVERIES):  # the provider retries every payment webhook
         for order in ORDERS:
-            send(lambda order=order: charge_task.delay(order, 5000))
+            send(partial(charge_task.delay, order, 5000))
     send(lambda: welcome_task.delay(7))  # a double click
     send(lambda: welcome_task.delay(7))
     send(lambda: sync_task.delay("SKU-1"))  # fails once, retried
@@ -175,7 +182,7 @@ def _attempts(framework: str, what: str) -> int:
 
 def _effects(framework: str) -> dict[str, int]:
     raw = _redis().hgetall(f"{PREFIX}:effects:{framework}")
-    return {k.decode(): int(v) for k, v in raw.items()}
+    return {(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in raw.items()}
 
 
 def _wait(condition: Callable[[], Any], what: str, timeout: float = 60.0) -> Any:
@@ -314,5 +321,5 @@ def _report(console: Console, tallies: dict[str, Tally]) -> bool:
     for name in tallies:
         for what, n in sorted(_effects(name.lower()).items()):
             mark = "[green]✓[/]" if n == 1 else "[red]✗[/]"
-            console.print(f"  {mark} {name}: {what} × {n}")
+            console.print(f"  {mark} {name}: {what}: {n} time(s)")
     return ok
