@@ -24,3 +24,17 @@ def test_celery_example_charges_once(redis_url: str) -> None:
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "charges recorded: 1" in done.stdout
+
+
+@pytest.mark.slow
+def test_rq_example_sends_the_email_once(redis_url: str) -> None:
+    import redis
+
+    redis.Redis.from_url(redis_url).delete("emails:42")
+    env = {**os.environ, "TASKDEDUP_URL": redis_url}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "rq_app.py")],
+        env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "e-mails sent: 1" in done.stdout

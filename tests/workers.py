@@ -1,4 +1,4 @@
-"""Real worker subprocesses for integration tests (Celery now; RQ later)."""
+"""Real worker subprocesses for integration tests (Celery and RQ)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import redis
 
 from taskdedup.testing import wait_for
 
@@ -72,5 +74,80 @@ class CeleryWorker:
         os.killpg(self.process.pid, signal.SIGTERM)
         try:
             self.process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+
+class RqWorker:
+    """``rq worker`` (``taskdedup.rq.DedupWorker`` with ``DedupJob``) in its own process group.
+
+    Ready when the worker has registered in Redis and is idle (and, with ``scheduler``, holds
+    the scheduler lock of its first queue). The work-horse calls ``setpgrp``, so :meth:`kill`
+    does not reach a running horse: a test that needs it dead kills its pid too.
+    """
+
+    def __init__(
+        self, redis_url: str, queues: list[str], *, scheduler: bool = True,
+        worker_class: str = "taskdedup.rq.DedupWorker", env: dict[str, str] | None = None,
+    ) -> None:
+        self.redis_url = redis_url
+        self.queues = list(queues)
+        self.scheduler = scheduler
+        self.worker_class = worker_class
+        self.extra_env = dict(env or {})
+        self.name = f"rqw-{os.getpid()}-{id(self):x}"
+        self.log = Path(tempfile.mkstemp(prefix="rq-worker-", suffix=".log")[1])
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 60.0) -> RqWorker:
+        env = {
+            **os.environ,
+            "TASKDEDUP_TEST_REDIS_URL": self.redis_url,
+            "PYTHONPATH": str(ROOT),
+            **self.extra_env,
+        }
+        cmd = [
+            sys.executable, "-m", "rq.cli", "worker", "-w", self.worker_class,
+            "--job-class", "taskdedup.rq.DedupJob", "--url", self.redis_url, "-n", self.name,
+            *(["--with-scheduler"] if self.scheduler else []), *self.queues,
+        ]
+        with open(self.log, "ab") as out:
+            self.process = subprocess.Popen(
+                cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True,
+            )
+        client = redis.Redis.from_url(self.redis_url)
+        try:
+            wait_for(lambda: self._ready(client), timeout=timeout, what="rq worker ready")
+        finally:
+            client.close()
+        return self
+
+    def _ready(self, client: redis.Redis) -> bool:
+        assert self.process is not None
+        if self.process.poll() is not None:
+            raise RuntimeError(f"rq worker exited early:\n{self.output()[-4000:]}")
+        state = client.hget(f"rq:worker:{self.name}", "state")
+        if state != b"idle":
+            return False
+        lock = f"rq:scheduler-lock:{self.queues[0]}"
+        return not self.scheduler or bool(client.exists(lock))
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def kill(self) -> None:
+        """SIGKILL the worker's process group (main process and scheduler, not the horse)."""
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=10)
+
+    def stop(self) -> None:
+        """Warm shutdown (SIGTERM): the worker finishes its current job, then exits."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.kill()

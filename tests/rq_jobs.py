@@ -1,0 +1,104 @@
+"""Job functions for the RQ integration tests, imported by the test process and by the
+``rq worker`` subprocess (so they must live in an importable module, never ``__main__``).
+
+Every body records its side effect in Redis (``RPUSH effects:<label>``) so the test process
+can count executions across processes; ``wait_gate`` holds a body until the test sets
+``go:<label>`` (with a deadline).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import redis
+from rq.job import Retry
+
+from taskdedup.rq import DedupWorker
+
+URL = os.environ.get("TASKDEDUP_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+_client: redis.Redis | None = None
+
+
+def r() -> redis.Redis:
+    """A client for this process (a new one after a fork)."""
+    global _client
+    if _client is None or _client.connection_pool.pid != os.getpid():  # type: ignore[attr-defined]
+        _client = redis.Redis.from_url(os.environ.get("TASKDEDUP_TEST_REDIS_URL", URL))
+    return _client
+
+
+def effect(label: str, value: object = 1) -> None:
+    r().rpush(f"effects:{label}", str(value))
+
+
+def wait_gate(label: str, timeout: float = 60.0) -> None:
+    """Block the body until the test sets ``go:<label>`` (bounded)."""
+    deadline = time.monotonic() + timeout
+    while not r().exists(f"go:{label}"):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"gate {label} never opened")
+        time.sleep(0.02)
+
+
+def record(label: str, n: int = 0) -> str:
+    effect(label, n)
+    return f"{label}:{n}"
+
+
+def echo_kwargs(label: str, **kwargs: Any) -> str:
+    """Records the names of the keyword arguments it received."""
+    effect(label, ",".join(sorted(kwargs)) or "-")
+    return label
+
+
+def gated(label: str) -> str:
+    effect(label, "start")
+    wait_gate(label)
+    effect(label, "end")
+    return label
+
+
+def long_running(label: str) -> str:
+    """Records the work-horse pid, then runs until the gate opens."""
+    effect(label, f"start:{os.getpid()}")
+    wait_gate(label, timeout=120)
+    effect(label, "end")
+    return label
+
+
+def fail_first(label: str) -> str:
+    """Fails on its first execution."""
+    attempt = int(r().incr(f"attempts:{label}"))
+    effect(label, attempt)
+    if attempt == 1:
+        raise RuntimeError("first attempt fails")
+    return label
+
+
+def return_retry_first(label: str) -> Any:
+    """Asks for a retry by returning ``Retry`` on its first execution (RQ 2.x+)."""
+    attempt = int(r().incr(f"attempts:{label}"))
+    effect(label, attempt)
+    if attempt == 1:
+        return Retry(max=2, interval=2)
+    return label
+
+
+def slow(label: str) -> None:
+    effect(label, "start")
+    time.sleep(30)
+    effect(label, "end")
+
+
+def on_success_cb(job: Any, connection: Any, result: Any, *args: Any, **kwargs: Any) -> None:
+    """A success callback that records that it ran."""
+    r().rpush(f"callbacks:{job.id}", "success")
+
+
+class FastStoreRetryWorker(DedupWorker):
+    """A DedupWorker that puts a job back after 0.5 s when its lock store is down."""
+
+    store_retry_delay = 0.5
