@@ -47,6 +47,7 @@ from rq.timeouts import BaseDeathPenalty, UnixSignalDeathPenalty
 from rq.utils import import_attribute, now, resolve_function_reference
 from rq.worker import Worker
 
+from . import stats
 from .core import DEFAULT_PREFIX, Deduplicator, GateResult, Identity, Verdict
 from .events import logger
 from .exceptions import ConfigurationError, DuplicateTaskError, StoreUnavailableError
@@ -98,7 +99,7 @@ def get_deduplicator(
     """
     prefix = prefix or DEFAULT_PREFIX
     if isinstance(store, Store):
-        return Deduplicator(store, prefix=prefix)
+        return _new_deduplicator(store, prefix)
     if store is not None and not isinstance(store, (redis.Redis, str)):
         raise ConfigurationError(
             f"dedup_store must be a taskdedup Store, a redis.Redis client or a redis:// URL, "
@@ -110,13 +111,20 @@ def get_deduplicator(
     if url is not None:
         dedup = _by_url.get((url, prefix))
         if dedup is None:
-            dedup = _by_url[(url, prefix)] = Deduplicator(RedisStore.from_url(url), prefix=prefix)
+            dedup = _by_url[(url, prefix)] = _new_deduplicator(RedisStore.from_url(url), prefix)
         return dedup
     client = store if isinstance(store, redis.Redis) else connection
     per_prefix = _by_client.setdefault(client, {})
     dedup = per_prefix.get(prefix)
     if dedup is None:
-        dedup = per_prefix[prefix] = Deduplicator(RedisStore(client), prefix=prefix)
+        dedup = per_prefix[prefix] = _new_deduplicator(RedisStore(client), prefix)
+    return dedup
+
+
+def _new_deduplicator(store: Store, prefix: str) -> Deduplicator:
+    """A Deduplicator whose counters are flushed to Redis off the hot path (taskdedup stats)."""
+    dedup = Deduplicator(store, prefix=prefix)
+    stats.attach(dedup)
     return dedup
 
 
@@ -600,10 +608,18 @@ class DedupWorker(Worker):
                  **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.dedup: Deduplicator = get_deduplicator(self.connection, dedup_store)
+        self._dedup_pid = os.getpid()
         self._dedup_claims: dict[str, _Guard] = {}
 
     def perform_job(self, job: Job, queue: Queue, execution: Execution) -> bool:
         """Claim the lock (in the work-horse), then run the job as RQ does; skip duplicates."""
+        try:
+            return self._perform_guarded(job, queue, execution)
+        finally:
+            if os.getpid() != self._dedup_pid:  # a work-horse ends with os._exit: no atexit
+                stats.flush_all()
+
+    def _perform_guarded(self, job: Job, queue: Queue, execution: Execution) -> bool:
         guard = _guard_of(job)
         if guard is None:
             return bool(super().perform_job(job, queue, execution))
