@@ -27,7 +27,7 @@ from celery import Celery, Task, signals
 from celery.exceptions import Ignore, Retry
 
 from . import stats
-from .core import Deduplicator, Identity, Verdict
+from .core import DEFAULT_PREFIX, Deduplicator, Identity, Verdict
 from .events import logger
 from .exceptions import ConfigurationError, DuplicateTaskError, StoreUnavailableError
 from .policy import Mode, OnDuplicate, Policy, is_disabled
@@ -432,11 +432,12 @@ def get_deduplicator(app: Celery) -> Deduplicator:
 
     Store: ``app.conf.taskdedup_store`` (a Store or a ready redis client), else
     ``app.conf.taskdedup_url``, else ``TASKDEDUP_URL``, else the broker URL when it is Redis.
-    Key prefix: ``app.conf.taskdedup_prefix`` (default ``taskdedup``).
+    Key prefix: ``app.conf.taskdedup_prefix``, else ``TASKDEDUP_PREFIX``, else ``taskdedup``.
     """
     dedup: Deduplicator | None = app.__dict__.get("_taskdedup")
     if dedup is None:
-        prefix = app.conf.get("taskdedup_prefix") or "taskdedup"
+        prefix = app.conf.get("taskdedup_prefix") or os.environ.get("TASKDEDUP_PREFIX")
+        prefix = prefix or DEFAULT_PREFIX
         dedup = Deduplicator(_store_for(app), prefix=prefix)
         if app.conf.get("taskdedup_stats", True):  # counters flushed to Redis off the hot path
             interval = app.conf.get("taskdedup_stats_interval") or stats.DEFAULT_INTERVAL

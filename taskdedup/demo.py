@@ -28,6 +28,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
 
+from . import stats
+from .exceptions import TaskDedupError
 from .policy import Policy
 
 __all__ = ["demo"]
@@ -127,6 +129,63 @@ def _celery_app() -> Any:
 celery_app: Any = None
 if os.environ.get("TASKDEDUP_DEMO_WORKER") == "celery":  # imported by the worker subprocess
     celery_app = _celery_app()
+
+
+# -- the RQ side ---------------------------------------------------------------------------
+
+def rq_charge(order_id: str, amount_cents: int) -> str:
+    return charge("rq", order_id, amount_cents)
+
+
+def rq_send_welcome(user_id: int) -> str:
+    return send_welcome("rq", user_id)
+
+
+def rq_sync_inventory(sku: str) -> str:
+    return sync_inventory("rq", sku)
+
+
+def _run_rq(tally: Tally) -> None:
+    from rq import Retry
+
+    from .rq import DedupQueue
+
+    queue = DedupQueue(QUEUE, connection=_redis(), dedup=Policy(ttl=600), dedup_prefix=PREFIX)
+    once = DedupQueue(QUEUE, connection=_redis(), dedup=Policy(mode="until_executed"),
+                      dedup_prefix=PREFIX)
+
+    def send(call: Callable[[], Any]) -> Any:
+        tally.sent += 1
+        job = call()
+        if job is not None:
+            tally.handles.append(job.id)
+        return job
+
+    for _ in range(WEBHOOK_DELIVERIES):
+        for order in ORDERS:
+            first = send(partial(queue.enqueue, rq_charge, order, 5000))
+    send(partial(once.enqueue, rq_send_welcome, 7))
+    send(partial(once.enqueue, rq_send_welcome, 7))
+    retry = Retry(max=3, interval=int(FLAKY_COUNTDOWN))
+    send(partial(once.enqueue, rq_sync_inventory, "SKU-1", retry=retry))
+    # A redelivered copy of a job (same identity in its meta, new id) that skips the gate:
+    tally.sent += 1
+    tally.bypassed += 1
+    copy = queue.create_job(rq_charge, args=(ORDERS[-1], 5000), meta=dict(first.meta))
+    queue.enqueue_job(copy)
+    _wait(lambda: _attempts("rq", "SKU-1") >= 1, "first inventory attempt")
+    send(partial(once.enqueue, rq_sync_inventory, "SKU-1", retry=retry))
+
+
+def _rq_worker(env: dict[str, str]) -> Any:
+    name = f"taskdedup-demo-{os.getpid()}"
+    return _process(
+        [sys.executable, "-m", "rq.cli", "worker", "--url", env["TASKDEDUP_DEMO_URL"],
+         "-w", "taskdedup.rq.DedupWorker", "--job-class", "taskdedup.rq.DedupJob",
+         "--with-scheduler", "-n", name, QUEUE],
+        env,
+        lambda _: _redis().hget(f"rq:worker:{name}", "state") == b"idle",
+    )
 
 
 # -- the scenario --------------------------------------------------------------------------
@@ -248,6 +307,15 @@ def demo(ctx: click.Context, demo_url: str | None) -> None:
     """Fire duplicate deliveries at real Celery and RQ workers; prove exactly-once effects."""
     global URL, _client
     console = Console()
+    try:
+        ok = _demo(ctx, demo_url, console)
+    except (TimeoutError, TaskDedupError, redis.RedisError, OSError) as exc:
+        raise click.ClickException(f"demo failed: {exc}") from exc
+    ctx.exit(0 if ok else 1)
+
+
+def _demo(ctx: click.Context, demo_url: str | None, console: Console) -> bool:
+    global URL, _client
     with ExitStack() as stack:
         url = demo_url or (ctx.obj.url if ctx.obj is not None and ctx.obj.url else None)
         if url is None:
@@ -257,22 +325,26 @@ def demo(ctx: click.Context, demo_url: str | None) -> None:
             stack.callback(server.cleanup)
             url = server.url
             console.print(f"started a throwaway Redis ([bold]valkey-server[/]) at {url}")
+        stack.callback(stats.flush_all)  # this process's counters, before Redis goes away
         URL, _client = url, None
         _clean()
-        env = {**os.environ, "TASKDEDUP_DEMO_URL": url}
+        env = {**os.environ, "TASKDEDUP_DEMO_URL": url, "TASKDEDUP_PREFIX": PREFIX}
 
         tallies: dict[str, Tally] = {}
         with Progress(TextColumn("{task.description}"), BarColumn(),
                       TextColumn("{task.completed}/{task.total}"), console=console) as progress:
-            job = progress.add_task("starting the Celery worker", total=len(EXPECTED))
-            with _celery_worker(env):
-                progress.update(job, description="Celery: firing duplicates")
-                tallies["Celery"] = tally = Tally()
-                _run_celery(tally)
-                progress.update(job, description="Celery: waiting for the workers")
-                _wait(lambda: _settled("celery", tally, progress, job), "Celery effects")
-        ok = _report(console, tallies)
-    ctx.exit(0 if ok else 1)
+            for name, worker, run in (("Celery", _celery_worker, _run_celery),
+                                      ("RQ", _rq_worker, _run_rq)):
+                framework = name.lower()
+                job = progress.add_task(f"{name}: starting a real worker", total=len(EXPECTED))
+                with worker(env):
+                    progress.update(job, description=f"{name}: firing duplicates")
+                    tallies[name] = tally = Tally()
+                    run(tally)
+                    progress.update(job, description=f"{name}: waiting for the worker")
+                    _wait(partial(_settled, framework, tally, progress, job), f"{name} effects")
+                progress.update(job, description=f"{name}: done")
+        return _report(console, tallies)
 
 
 def _settled(framework: str, tally: Tally, progress: Progress, job: Any) -> bool:
@@ -286,7 +358,8 @@ def _skipped(framework: str) -> int:
     from .stats import read_stats
 
     stats = read_stats(_redis(), PREFIX)
-    return sum(s.skipped for task, s in stats.items() if task.startswith(f"demo.{framework}."))
+    marker = f"demo.{framework}." if framework == "celery" else f"{__name__}.{framework}_"
+    return sum(s.skipped for task, s in stats.items() if task.startswith(marker))
 
 
 def _clean() -> None:
@@ -319,7 +392,14 @@ def _report(console: Console, tallies: dict[str, Tally]) -> bool:
         "skipped: duplicates that reached a worker without the gate and did not run"
     )
     for name in tallies:
-        for what, n in sorted(_effects(name.lower()).items()):
-            mark = "[green]✓[/]" if n == 1 else "[red]✗[/]"
-            console.print(f"  {mark} {name}: {what}: {n} time(s)")
+        effects = _effects(name.lower())
+        wrong = {what: n for what, n in effects.items() if n != 1}
+        missing = EXPECTED - set(effects)
+        if not wrong and not missing:
+            console.print(f"[green]✓[/] {name}: each of the {len(EXPECTED)} side effects "
+                          f"({', '.join(sorted(EXPECTED))}) happened exactly once")
+        for what, n in sorted(wrong.items()):
+            console.print(f"[red]✗[/] {name}: {what} happened {n} times")
+        for what in sorted(missing):
+            console.print(f"[red]✗[/] {name}: {what} never happened")
     return ok

@@ -95,9 +95,11 @@ def get_deduplicator(
 
     Store: ``store`` (a Store, a ready ``redis.Redis`` client or a URL), else the
     ``TASKDEDUP_URL`` environment variable, else ``connection`` itself (RQ's own Redis).
+    Prefix: ``prefix``, else ``TASKDEDUP_PREFIX``, else ``taskdedup`` (the worker and the CLI
+    read the same variables).
     Deduplicators on a URL or a connection are shared per process, so their counters add up.
     """
-    prefix = prefix or DEFAULT_PREFIX
+    prefix = prefix or os.environ.get("TASKDEDUP_PREFIX") or DEFAULT_PREFIX
     if isinstance(store, Store):
         return _new_deduplicator(store, prefix)
     if store is not None and not isinstance(store, (redis.Redis, str)):
