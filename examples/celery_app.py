@@ -8,6 +8,7 @@ checks that the card was charged exactly once. The test suite runs this file.
 
 from __future__ import annotations
 
+import atexit
 import os
 import subprocess
 import sys
@@ -38,6 +39,8 @@ def main() -> int:
     server = None
     if not os.environ.get("TASKDEDUP_URL"):
         server = RedisServer().start()
+        # at exit, after taskdedup's last stats flush (atexit runs handlers last-in first-out)
+        atexit.register(server.cleanup)
         URL = os.environ["TASKDEDUP_URL"] = server.url
         app.conf.update(broker_url=URL, result_backend=URL, taskdedup_url=URL)
 
@@ -59,8 +62,6 @@ def main() -> int:
     finally:
         worker.terminate()
         worker.wait(timeout=30)
-        if server is not None:
-            server.cleanup()
 
 
 if __name__ == "__main__":

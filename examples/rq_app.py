@@ -8,6 +8,7 @@ and webhook retries), and checks that it was sent exactly once. The test suite r
 
 from __future__ import annotations
 
+import atexit
 import os
 import subprocess
 import sys
@@ -34,6 +35,8 @@ def main() -> int:
     server = None
     if not os.environ.get("TASKDEDUP_URL"):
         server = RedisServer().start()
+        # at exit, after taskdedup's last stats flush (atexit runs handlers last-in first-out)
+        atexit.register(server.cleanup)
         os.environ["TASKDEDUP_URL"] = server.url
     url = os.environ["TASKDEDUP_URL"]
 
@@ -65,8 +68,6 @@ def main() -> int:
         worker.terminate()
         worker.wait(timeout=30)
         connection.close()
-        if server is not None:
-            server.cleanup()
 
 
 if __name__ == "__main__":

@@ -305,7 +305,7 @@ def _flush_at_exit() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
-atexit.register(_flush_at_exit)
+_exit_hook_registered = False
 
 
 def attach(
@@ -328,6 +328,12 @@ def attach(
         if not isinstance(store, RedisStore):
             return None
         client = store.client
+    global _exit_hook_registered
+    if not _exit_hook_registered:
+        # Registered on first use, not at import: atexit runs last-in first-out, so the last
+        # flush happens before the exit handlers of whatever was set up earlier (a server).
+        atexit.register(_flush_at_exit)
+        _exit_hook_registered = True
     recorder = StatsRecorder(client, prefix=dedup.prefix, interval=interval)
     dedup.events.add(recorder)
     _ATTACHED[dedup] = recorder

@@ -38,3 +38,18 @@ def test_rq_example_sends_the_email_once(redis_url: str) -> None:
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "e-mails sent: 1" in done.stdout
+
+
+@pytest.mark.slow
+def test_webhook_receiver_turns_retried_deliveries_into_one_task(redis_url: str) -> None:
+    env = {**os.environ, "TASKDEDUP_URL": redis_url}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "webhook_receiver.py")],
+        env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    deliveries = [line for line in done.stdout.splitlines() if line.startswith("delivery -> ")]
+    assert len(deliveries) == 3 and all(" 202 " in line for line in deliveries)
+    assert len({line.split("'job': ")[1] for line in deliveries}) == 1  # one job id
+    assert "reused key with another body -> 422" in done.stdout
+    assert "payments booked: 1" in done.stdout
