@@ -34,6 +34,9 @@ def redis_server(request: pytest.FixtureRequest) -> Iterator[RedisServer | None]
     try:
         yield server
     finally:
+        from taskdedup import stats
+
+        stats.flush_all()  # the counters tests left pending, while the server still runs
         server.cleanup()
 
 
