@@ -50,8 +50,13 @@ _SCRIPT_NAMES = ("reserve", "replace", "claim", "heartbeat", "complete", "releas
 
 
 def _load_sources() -> dict[str, str]:
+    """Each transition's source, with the shared value parser (``_value.lua``) in front."""
     lua = files(__package__).joinpath("lua")
-    return {name: lua.joinpath(f"{name}.lua").read_text(encoding="utf-8") for name in _SCRIPT_NAMES}
+    prelude = lua.joinpath("_value.lua").read_text(encoding="utf-8")
+    return {
+        name: prelude + lua.joinpath(f"{name}.lua").read_text(encoding="utf-8")
+        for name in _SCRIPT_NAMES
+    }
 
 
 #: The Lua sources, read once at import (they ship as package data).

@@ -13,13 +13,6 @@
 --                any state, or a value not written by taskdedup (state and owner false);
 --                the state and owner found are returned
 
-local function parse(v)
-  if type(v) ~= 'string' then return nil end
-  local state, check, owner = string.match(v, '^([QRD])|([0-9a-f]*)|(.+)$')
-  if state == nil or (#check ~= 0 and #check ~= 32) then return nil end
-  return state, check, owner
-end
-
 local key = KEYS[1]
 local owner, lease_ms = ARGV[1], ARGV[2]
 

@@ -12,13 +12,6 @@
 --   5 NOT_OWNER  absent (lost to expiry), another owner's, or not written by taskdedup;
 --                nothing is written (a former owner never touches its successor's lock)
 
-local function parse(v)
-  if type(v) ~= 'string' then return nil end
-  local state, check, owner = string.match(v, '^([QRD])|([0-9a-f]*)|(.+)$')
-  if state == nil or (#check ~= 0 and #check ~= 32) then return nil end
-  return state, check, owner
-end
-
 local key = KEYS[1]
 local owner, ttl_ms = ARGV[1], ARGV[2]
 

@@ -10,13 +10,6 @@
 --   5 NOT_OWNER  absent (lost to expiry), another owner's, or not written by taskdedup;
 --                nothing is deleted
 
-local function parse(v)
-  if type(v) ~= 'string' then return nil end
-  local state, check, owner = string.match(v, '^([QRD])|([0-9a-f]*)|(.+)$')
-  if state == nil or (#check ~= 0 and #check ~= 32) then return nil end
-  return state, check, owner
-end
-
 local key = KEYS[1]
 local owner = ARGV[1]
 

@@ -16,13 +16,6 @@
 --                this owner, or a value not written by taskdedup (state and owner false)
 --   3 MISMATCH   held by another owner with a different non-empty check (nothing written)
 
-local function parse(v)
-  if type(v) ~= 'string' then return nil end
-  local state, check, owner = string.match(v, '^([QRD])|([0-9a-f]*)|(.+)$')
-  if state == nil or (#check ~= 0 and #check ~= 32) then return nil end
-  return state, check, owner
-end
-
 local key = KEYS[1]
 local owner, ttl_ms, check = ARGV[1], ARGV[2], ARGV[3]
 
