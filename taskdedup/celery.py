@@ -40,7 +40,8 @@ HEADER = "taskdedup"
 """Message header carrying ``{"task": name, "key": lock key}`` or ``{"task": name, "off": 1}``."""
 
 _NO_RESERVE = "_taskdedup_no_reserve"
-_STATE_ATTR = "_taskdedup"
+_STATE_ATTR = "_taskdedup"  # on the request: the claimed lock key, or _SKIPPED
+_SKIPPED = "skipped"
 _CALLBACK_OPTIONS = ("link", "link_error", "chain", "chord", "group_id")
 _STORE_RETRY_COUNTDOWN = 5.0
 _CALL_FIELDS = frozenset({"on_duplicate", "on_store_error"})
@@ -175,13 +176,13 @@ class DedupTask(Task):  # type: ignore[misc]
                 "dropped; the workflow was not sent. Enqueue the workflow once, or give the "
                 "call a dedup_key / dedup=False.",
             )
-        mode = policy.on_duplicate
         if existing_id is None:  # a value taskdedup did not write holds the key
             raise DuplicateTaskError(
                 key, None,
                 f"duplicate task {self.name}: {key} holds a value taskdedup did not write; "
                 "inspect or delete that key",
             )
+        mode = policy.on_duplicate
         if mode is OnDuplicate.RAISE:
             raise DuplicateTaskError(key, existing_id)
         if mode is OnDuplicate.DROP:
@@ -220,18 +221,16 @@ class DedupTask(Task):  # type: ignore[misc]
         raw = _request_header(request)
         if policy is None or is_disabled() or _is_off(raw, self.name):
             return
+        dedup = get_deduplicator(self.app)
         key = _carried_key(raw, self.name)
         if key is None:  # sent by name, or from a client without taskdedup
-            key = get_deduplicator(self.app).identity(
-                self.name, policy, args, kwargs, func=self._func()
-            ).key
-        dedup = get_deduplicator(self.app)
+            key = dedup.identity(self.name, policy, args, kwargs, func=self._func()).key
         try:
             result = dedup.start(self.name, policy, key, task_id)
         except StoreUnavailableError as exc:
             raise self._retry_later(exc) from exc
         if result.verdict is Verdict.DUPLICATE:
-            setattr(request, _STATE_ATTR, "skipped")
+            setattr(request, _STATE_ATTR, _SKIPPED)
             raise DuplicateExecution(
                 f"duplicate of {result.existing_id} ({result.state.value if result.state else '?'})"
             )
@@ -269,7 +268,7 @@ def _on_success(sender: Any = None, **_: Any) -> None:
         return
     request = task.request
     key = getattr(request, _STATE_ATTR, None)
-    if key and key != "skipped":
+    if key and key != _SKIPPED:
         get_deduplicator(task.app).finish(
             task.name, task._dedup_policy, key, request.id, success=True  # type: ignore[arg-type]
         )
@@ -291,7 +290,7 @@ def _on_retry(sender: Any = None, request: Any = None, **_: Any) -> None:
     if task is None or request is None:
         return
     key = getattr(request, _STATE_ATTR, None)
-    if not key or key == "skipped":
+    if not key or key == _SKIPPED:
         return
     dedup = get_deduplicator(task.app)
     if task._dedup_policy.mode is Mode.WHILE_EXECUTING:  # type: ignore[union-attr]
@@ -308,7 +307,7 @@ def _on_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
     key = _carried_key(raw, task.name) or getattr(request, _STATE_ATTR, None)
     if key is None and not _is_off(raw, task.name):
         key = _recompute(task, request.args, request.kwargs)
-    if key and key != "skipped":
+    if key and key != _SKIPPED:
         get_deduplicator(task.app).release(task.name, key, request.id, reason="revoked")
 
 
@@ -320,7 +319,7 @@ def _on_postrun(sender: Any = None, task_id: str | None = None, state: str | Non
     if task is None or task_id is None:
         return
     key = getattr(task.request, _STATE_ATTR, None)
-    if key and key != "skipped":
+    if key and key != _SKIPPED:
         get_deduplicator(task.app).release(task.name, key, task_id, reason=state.lower())
 
 
@@ -330,7 +329,7 @@ def _key_for(task: DedupTask, task_id: str, args: Any, kwargs: Any) -> str | Non
     if request is not None and request.id == task_id:
         key = getattr(request, _STATE_ATTR, None)
         if key is not None:
-            return None if key == "skipped" else str(key)
+            return None if key == _SKIPPED else str(key)
         raw = _request_header(request)
         if _is_off(raw, task.name):
             return None
