@@ -218,14 +218,25 @@ class Deduplicator:
                 name, owner, key, policy.lease,
             )
 
-    def release(self, name: str, key: str, owner: str, *, reason: str) -> bool:
-        """Compare-and-delete ``key`` for ``owner``; True when it was ours. Never raises."""
-        return self._release(name, key, owner, reason) is Outcome.OK
+    def release(
+        self, name: str, key: str, owner: str, *, reason: str, only_queued: bool = False
+    ) -> bool:
+        """Compare-and-delete ``key`` for ``owner``; True when it was ours. Never raises.
 
-    def _release(self, name: str, key: str, owner: str, reason: str) -> Outcome | None:
-        self.stop_heartbeat(key, owner)
+        ``only_queued`` leaves a lock that a worker has claimed (cancel of a queued job).
+        """
+        return self._release(name, key, owner, reason, only_queued) is Outcome.OK
+
+    def _release(
+        self, name: str, key: str, owner: str, reason: str, only_queued: bool = False
+    ) -> Outcome | None:
+        if not only_queued:
+            self.stop_heartbeat(key, owner)
         try:
-            outcome = self.store.release(key, owner)
+            if only_queued:
+                outcome = self.store.release(key, owner, only_queued=True)
+            else:  # the plain call, as stores written before only_queued take it
+                outcome = self.store.release(key, owner)
         except StoreUnavailableError as exc:
             self._emit(Event.STORE_ERROR, name, key, owner, detail=f"release:{reason}")
             logger.warning("taskdedup: could not release %s[%s] (%s): %s", name, owner, reason, exc)

@@ -268,7 +268,8 @@ class DedupJob(Job):
             remove_from_dependencies=remove_from_dependencies,
         )
         if guard is not None:
-            self.dedup.release(guard.name, guard.key, self.id, reason="canceled")
+            self.dedup.release(guard.name, guard.key, self.id, reason="canceled",
+                               only_queued=True)
         return result
 
     def delete(
@@ -279,7 +280,8 @@ class DedupJob(Job):
         super().delete(pipeline=pipeline, remove_from_queue=remove_from_queue,
                        delete_dependents=delete_dependents)
         if guard is not None:
-            self.dedup.release(guard.name, guard.key, self.id, reason="deleted")
+            self.dedup.release(guard.name, guard.key, self.id, reason="deleted",
+                               only_queued=True)
 
     def _unstarted_guard(self, pipeline: Any) -> _Guard | None:
         """The guard to release after cancel/delete: only without a caller's pipeline (RQ's
@@ -513,7 +515,7 @@ class DedupQueue(Queue):
             return result
         if self._job_alive(existing, wait=self.heal_grace):
             return result
-        if self.dedup.release(name, identity.key, existing, reason="stale"):
+        if self.dedup.release(name, identity.key, existing, reason="stale", only_queued=True):
             logger.info("taskdedup: released stale lock %s of vanished job %s", identity.key,
                         existing)
         return self.dedup.gate(name, policy, identity, owner, ttl_ms=ttl_ms)

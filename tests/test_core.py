@@ -74,7 +74,7 @@ class DownStore:
     def complete(self, key: str, owner: str, ttl_ms: int) -> Outcome:
         return self._down("complete")  # type: ignore[no-any-return]
 
-    def release(self, key: str, owner: str) -> Outcome:
+    def release(self, key: str, owner: str, *, only_queued: bool = False) -> Outcome:
         return self._down("release")  # type: ignore[no-any-return]
 
     def get(self, key: str) -> LockInfo | None:

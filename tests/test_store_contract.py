@@ -402,6 +402,20 @@ def test_release_of_an_absent_lock_is_not_owner(store: Store) -> None:
     assert store.release("k", A) is Outcome.NOT_OWNER
 
 
+def test_release_only_queued_deletes_a_queued_lock(store: Store) -> None:
+    hold(store, "k", A, Q)
+    assert store.release("k", A, only_queued=True) is Outcome.OK
+    assert store.get("k") is None
+
+
+@pytest.mark.parametrize("state", [LockState.RUNNING, LockState.DONE])
+def test_release_only_queued_leaves_a_claimed_or_done_lock(store: Store, state: LockState) -> None:
+    """Cancelling a job that a worker claimed meanwhile must not free the running lock."""
+    hold(store, "k", A, state)
+    assert store.release("k", A, only_queued=True) is Outcome.NOT_OWNER
+    assert info(store, "k") == (state, A, "")
+
+
 # -- fencing ---------------------------------------------------------------------------------
 
 

@@ -106,8 +106,12 @@ class Store(Protocol):
         """Success: owned by ``owner`` → DONE(owner) for ``ttl_ms``, or deleted if 0."""
         ...
 
-    def release(self, key: str, owner: str) -> Outcome:
-        """Final failure, revoke, replace: owned by ``owner`` → deleted (compare-and-delete)."""
+    def release(self, key: str, owner: str, *, only_queued: bool = False) -> Outcome:
+        """Final failure, revoke, replace: owned by ``owner`` → deleted (compare-and-delete).
+
+        ``only_queued``: release only a QUEUED lock (cancelling a job that has not started
+        must not delete the lock its worker claimed in the meantime).
+        """
         ...
 
     def get(self, key: str) -> LockInfo | None:

@@ -215,11 +215,12 @@ class MemoryStore:
                 del self._data[key]
             return Outcome.OK
 
-    def release(self, key: str, owner: str) -> Outcome:
+    def release(self, key: str, owner: str, *, only_queued: bool = False) -> Outcome:
         """See :meth:`taskdedup.stores.Store.release`."""
         check_owner(owner)
         with self._lock:
-            if self._owned(key, owner, self._clock()) is None:
+            owned = self._owned(key, owner, self._clock())
+            if owned is None or (only_queued and owned[0][0] is not LockState.QUEUED):
                 return Outcome.NOT_OWNER
             del self._data[key]
             return Outcome.OK

@@ -297,10 +297,11 @@ class RedisStore:
         check_ms("ttl_ms", ttl_ms, allow_zero=True)
         return _OUTCOMES[self._eval(self._complete, "complete", key, owner, ttl_ms)]
 
-    def release(self, key: str, owner: str) -> Outcome:
+    def release(self, key: str, owner: str, *, only_queued: bool = False) -> Outcome:
         """See :meth:`taskdedup.stores.Store.release`."""
         check_owner(owner)
-        return _OUTCOMES[self._eval(self._release, "release", key, owner)]
+        only = "Q" if only_queued else ""
+        return _OUTCOMES[self._eval(self._release, "release", key, owner, only)]
 
     def get(self, key: str) -> LockInfo | None:
         """Read one lock (value and PTTL atomically, one round trip).
