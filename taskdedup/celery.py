@@ -16,23 +16,27 @@ and ``task_postrun`` (for ``Ignore``/``Reject``).
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import fields
+from contextvars import ContextVar
+from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from typing import Any
 
 import redis
 from celery import Celery, Task, signals
 from celery.exceptions import Ignore, Retry
+from kombu.transport import redis as kombu_redis
+from kombu.utils.json import dumps as json_dumps
 
 from . import stats
 from .core import DEFAULT_PREFIX, Deduplicator, Identity, Verdict
 from .events import logger
 from .exceptions import ConfigurationError, DuplicateTaskError, StoreUnavailableError
 from .policy import Mode, OnDuplicate, Policy, is_disabled
-from .stores.base import Store
-from .stores.redis import RedisStore
+from .stores.base import LockResult, Outcome, Store
+from .stores.redis import RedisStore, reserve_and_push
 
 __all__ = ["HEADER", "DedupTask", "DuplicateExecution", "get_deduplicator"]
 
@@ -124,6 +128,9 @@ class DedupTask(Task):  # type: ignore[misc]
 
         task_id = task_id or str(uuid.uuid4())
         ttl_ms = _reservation_ttl_ms(policy, options)
+        if _fuses(self.app) and not self.app.conf.task_always_eager:
+            return self._publish_fused(policy, identity, task_id, ttl_ms, publish, headers,
+                                       link, link_error, options)
         result = dedup.gate(self.name, policy, identity, task_id, ttl_ms=ttl_ms)
         if result.verdict is Verdict.DUPLICATE:
             return self._on_duplicate(policy, identity.key, result.existing_id, link, link_error,
@@ -136,6 +143,36 @@ class DedupTask(Task):  # type: ignore[misc]
             if result.verdict is not Verdict.UNGUARDED:
                 dedup.release(self.name, identity.key, task_id, reason="publish_failed")
             raise
+
+    def _publish_fused(
+        self, policy: Policy, identity: Identity, task_id: str, ttl_ms: int,
+        publish: Callable[[str | None, dict[str, Any] | None], Any], headers: dict[str, Any],
+        link: Any, link_error: Any, options: Mapping[str, Any],
+    ) -> Any:
+        """Publish with the reservation inside the broker's push (:class:`RedisTransport`)."""
+        fused = _Fused(identity.key, task_id, ttl_ms, identity.check,
+                       policy.on_duplicate is OnDuplicate.REPLACE)
+        token = _FUSED.set(fused)
+        started = time.perf_counter()
+        try:
+            handle = publish(task_id, headers)
+        finally:
+            _FUSED.reset(token)
+        if fused.result is None:  # the transport did not see this message: nothing reserved
+            raise ConfigurationError(
+                f"{self.name}: taskdedup.celery:RedisTransport did not publish task {task_id}; "
+                "is the broker a redis:// URL?"
+            )
+        dedup = get_deduplicator(self.app)
+        result = dedup.verdict(self.name, identity, task_id, fused.result,
+                               time.perf_counter() - started)
+        if result.verdict is Verdict.DUPLICATE:
+            _forget_pending(self, task_id)  # it was never sent
+            return self._on_duplicate(policy, identity.key, result.existing_id, link,
+                                      link_error, options)
+        if result.verdict is Verdict.REPLACED and result.existing_id:
+            self._revoke(result.existing_id)
+        return handle
 
     def _call_policy(self, override: Any) -> Policy | None:
         """The task's policy, with a per-call ``dedup=`` applied.
@@ -255,6 +292,78 @@ class DedupTask(Task):  # type: ignore[misc]
         return Retry(exc=exc, when=_STORE_RETRY_COUNTDOWN, sig=sig)
 
 
+# -- one round trip: reserve inside the broker's push --------------------------------------
+
+
+@dataclass
+class _Fused:
+    """A reservation for the next ``_put`` of message ``owner``, and the store's answer."""
+
+    key: str
+    owner: str
+    ttl_ms: int
+    check: str
+    replace: bool
+    result: LockResult | None = None
+
+
+_FUSED: ContextVar[_Fused | None] = ContextVar("taskdedup_fused", default=None)
+
+
+class _Channel(kombu_redis.Channel):
+    """kombu's Redis channel, whose push also reserves the identity, in one Lua script."""
+
+    def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
+        fused = _FUSED.get()
+        headers = message.get("headers") or {}
+        if fused is None or headers.get("id") != fused.owner:
+            super()._put(queue, message, **kwargs)  # type: ignore[no-untyped-call]
+            return
+        kwargs.pop("_publish_batch", None)  # this message cannot wait for a batch
+        priority = self._get_message_priority(message, reverse=False)  # type: ignore[no-untyped-call]
+        list_key = self._q_for_pri(queue, priority)  # type: ignore[no-untyped-call]
+        with self.conn_or_acquire() as client:
+            fused.result = reserve_and_push(
+                client, fused.key, fused.owner, fused.ttl_ms, fused.check, fused.replace,
+                list_key, json_dumps(message),  # type: ignore[no-untyped-call]
+            )
+        if self._expires and queue in self._expires and fused.result.outcome in _PUSHED:
+            with self.conn_or_acquire() as client:
+                for step in self.priority_steps:
+                    name = self._q_for_pri(queue, step)  # type: ignore[no-untyped-call]
+                    client.pexpire(name, self._expires[queue])
+
+
+class RedisTransport(kombu_redis.Transport):
+    """kombu's Redis transport with the gate fused into the publish (SPEC §10).
+
+    ``app.conf.broker_transport = "taskdedup.celery:RedisTransport"`` with a ``redis://``
+    broker: a gated ``apply_async`` then reserves and pushes in one Lua script, one round trip,
+    atomically (no reservation without its message, no message without its reservation). Used
+    when the locks live in the broker's Redis (no ``taskdedup_url``/``taskdedup_store`` that
+    points elsewhere); otherwise the gate is its own round trip, as with any broker.
+    """
+
+    Channel = _Channel
+
+
+_PUSHED = (Outcome.ACQUIRED, Outcome.REPLACED)
+
+
+def _fuses(app: Celery) -> bool:
+    """Whether this app's gated publishes reserve inside the broker's push."""
+    cached: bool | None = app.__dict__.get("_taskdedup_fuses")
+    if cached is None:
+        conf = app.conf
+        transport = conf.broker_transport
+        ours = transport is RedisTransport or transport == "taskdedup.celery:RedisTransport"
+        own_store = conf.get("taskdedup_store") is not None or bool(
+            conf.get("taskdedup_url") or os.environ.get("TASKDEDUP_URL")
+        )
+        cached = app.__dict__["_taskdedup_fuses"] = bool(ours and not own_store)
+    return cached
+
+
 # -- signal handlers (worker side) ---------------------------------------------------------
 
 
@@ -363,6 +472,18 @@ signals.worker_process_shutdown.connect(lambda **_: stats.flush_all(), weak=Fals
 
 
 # -- helpers -------------------------------------------------------------------------------
+
+
+def _forget_pending(task: DedupTask, task_id: str) -> None:
+    """Undo what Celery's publish set up for a result that will never come (a result
+    backend that subscribes per task id, e.g. Redis pub/sub)."""
+    consumer = getattr(task.backend, "result_consumer", None)
+    cancel = getattr(consumer, "cancel_for", None)
+    if cancel is not None:
+        try:
+            cancel(task_id)
+        except Exception:  # best effort: it only frees a subscription
+            logger.debug("taskdedup: could not cancel the result subscription of %s", task_id)
 
 
 def _request_header(request: Any) -> Any:

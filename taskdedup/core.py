@@ -22,7 +22,7 @@ from .events import Counters, DedupEvent, Event, Events, logger
 from .exceptions import ConfigurationError, IdempotencyKeyMismatch, StoreUnavailableError
 from .identity import fingerprint, fingerprint_value
 from .policy import Mode, OnDuplicate, OnStoreError, Policy
-from .stores.base import LockState, Outcome, Store
+from .stores.base import LockResult, LockState, Outcome, Store
 
 __all__ = ["Deduplicator", "GateResult", "Heartbeat", "Identity", "StartResult", "Verdict"]
 
@@ -143,20 +143,33 @@ class Deduplicator:
                 result = self.store.reserve(identity.key, owner, ttl_ms, identity.check)
         except StoreUnavailableError as exc:
             return self._store_error(name, policy, identity.key, owner, exc, "enqueue")
-        seconds = time.perf_counter() - started
+        return self.verdict(name, identity, owner, result, time.perf_counter() - started)
+
+    def verdict(
+        self, name: str, identity: Identity, owner: str, result: LockResult,
+        seconds: float | None = None,
+    ) -> GateResult:
+        """Turn the store's answer to a reservation into a verdict, and report it.
+
+        :meth:`gate` calls it; an integration that reserved in its own round trip (the
+        Celery transport reserving inside the publish) calls it with that answer.
+
+        Raises:
+            IdempotencyKeyMismatch: an explicit key is held with other arguments.
+        """
         outcome, key, existing = result.outcome, identity.key, result.owner
         if outcome is Outcome.ACQUIRED:
-            self._emit(Event.RESERVED, name, identity.key, owner, seconds=seconds)
+            self._emit(Event.RESERVED, name, key, owner, seconds=seconds)
             return GateResult(Verdict.ACCEPTED)
         if outcome is Outcome.REPLACED:
             self._emit(Event.DUPLICATE, name, key, owner, existing, "replaced", seconds)
             logger.info("taskdedup: %s replaced queued task %s with %s", name, existing, owner)
-            return GateResult(Verdict.REPLACED, result.owner, result.state)
+            return GateResult(Verdict.REPLACED, existing, result.state)
         if outcome is Outcome.MISMATCH:
             self._emit(Event.DUPLICATE, name, key, owner, existing, "mismatch", seconds)
-            raise IdempotencyKeyMismatch(identity.key, result.owner)
-        self._emit(Event.DUPLICATE, name, identity.key, owner, result.owner, None, seconds)
-        return GateResult(Verdict.DUPLICATE, result.owner, result.state)
+            raise IdempotencyKeyMismatch(key, existing)
+        self._emit(Event.DUPLICATE, name, key, owner, existing, None, seconds)
+        return GateResult(Verdict.DUPLICATE, existing, result.state)
 
     # -- worker ---------------------------------------------------------------------------
 

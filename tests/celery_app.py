@@ -29,6 +29,7 @@ app.conf.update(
     worker_prefetch_multiplier=1,
     worker_hijack_root_logger=False,
     result_expires=600,
+    broker_transport=os.environ.get("TASKDEDUP_TEST_TRANSPORT") or None,
     broker_transport_options={
         "visibility_timeout": VISIBILITY,
         "unacked_restore_interval": 1,

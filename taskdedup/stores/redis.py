@@ -14,6 +14,7 @@ Stored value: ``<state>|<check>|<owner>`` (see :func:`~taskdedup.stores.memory.p
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Callable, Iterator, Sequence
 from importlib.resources import files
@@ -46,13 +47,15 @@ try:
 except ImportError:  # pragma: no cover - redis[hiredis] is a dependency
     _hiredis_pack = None
 
-_SCRIPT_NAMES = ("reserve", "replace", "claim", "heartbeat", "complete", "release", "get")
+_SCRIPT_NAMES = (
+    "reserve", "replace", "claim", "heartbeat", "complete", "release", "get", "publish",
+)
 
 
 def _load_sources() -> dict[str, str]:
-    """Each transition's source, with the shared value parser (``_value.lua``) in front."""
+    """Each transition's source, with the shared functions (``_lib.lua``) in front."""
     lua = files(__package__).joinpath("lua")
-    prelude = lua.joinpath("_value.lua").read_text(encoding="utf-8")
+    prelude = lua.joinpath("_lib.lua").read_text(encoding="utf-8")
     return {
         name: prelude + lua.joinpath(f"{name}.lua").read_text(encoding="utf-8")
         for name in _SCRIPT_NAMES
@@ -167,6 +170,7 @@ class RedisStore:
         self._complete = self._scripts["complete"]
         self._release = self._scripts["release"]
         self._get = self._scripts["get"]
+        self._publish = self._scripts["publish"]
         # Whether reserve_many may assume the server has the reserve script.
         self._bulk_ready = False
 
@@ -320,6 +324,15 @@ class RedisStore:
 
     # -- beyond the protocol ---------------------------------------------------------------
 
+    def reserve_and_push(
+        self, key: str, owner: str, ttl_ms: int, check: str, replace: bool, list_key: str,
+        payload: str | bytes,
+    ) -> LockResult:
+        """:func:`reserve_and_push` on this store's client."""
+        return reserve_and_push(
+            self.client, key, owner, ttl_ms, check, replace, list_key, payload
+        )
+
     def reserve_many(self, items: Sequence[tuple[str, str, int, str]]) -> list[LockResult]:
         """:meth:`reserve` each ``(key, owner, ttl_ms, check)`` in one pipeline round trip.
 
@@ -442,3 +455,42 @@ class RedisStore:
     def close(self) -> None:
         """Close the client (its connections are returned and disconnected)."""
         self.client.close()
+
+
+_PUBLISH_SHA = hashlib.sha1(SCRIPTS["publish"].encode()).hexdigest()
+
+
+def reserve_and_push(
+    client: redis.Redis, key: str, owner: str, ttl_ms: int, check: str, replace: bool,
+    list_key: str, payload: str | bytes,
+) -> LockResult:
+    """Reserve ``key`` (or replace, as :meth:`RedisStore.replace`) and, when the gate lets the
+    call through, ``LPUSH list_key payload`` — atomically, in one round trip.
+
+    For a broker on this very Redis (``taskdedup.celery.RedisTransport``, which calls it with
+    kombu's own client on every publish, so it keeps no per-client state): the message is
+    never queued without its reservation, nor reserved without being queued, and a duplicate
+    costs no push. Both keys must live on one server (not Cluster).
+
+    Raises:
+        StoreUnavailableError: the script could not run (the redis error is chained).
+    """
+    check_owner(owner)
+    check_ms("ttl_ms", ttl_ms)
+    check_check(check)
+    args = (2, key, list_key, owner, ttl_ms, check, "1" if replace else "0", payload)
+    try:
+        try:
+            reply = client.execute_command(  # type: ignore[no-untyped-call]
+                "EVALSHA", _PUBLISH_SHA, *args, **_RAW
+            )
+        except NoScriptError:
+            reply = client.execute_command(  # type: ignore[no-untyped-call]
+                "EVAL", SCRIPTS["publish"], *args, **_RAW
+            )
+    except RedisError as exc:
+        where = describe_client(client)
+        raise StoreUnavailableError(
+            f"could not reserve {key!r} and publish to {list_key!r} at {where}: {exc}"
+        ) from exc
+    return _result(reply)

@@ -1,0 +1,54 @@
+-- Prepended to every transition script by RedisStore (Redis has no includes): the value
+-- parser and the enqueue gate, shared by the scripts.
+--
+-- A lock value is "<state>|<check>|<owner>": state one of Q (queued), R (running),
+-- D (done); check "" or a 32-hex digest of the arguments; owner the task id (any text).
+-- parse(v) -> state, check, owner; or nil for anything taskdedup did not write
+-- (another type, garbage), which every script treats as someone else's lock.
+
+local function parse(v)
+  if type(v) ~= 'string' then return nil end
+  local state, check, owner = string.match(v, '^([QRD])|([0-9a-f]*)|(.+)$')
+  if state == nil or (#check ~= 0 and #check ~= 32) then return nil end
+  return state, check, owner
+end
+
+-- gate(key, owner, ttl_ms, check, replace) -> {code, state or false, owner or false}
+-- The enqueue gate shared by reserve.lua, replace.lua and publish.lua (their headers give the
+-- codes): absent -> Q(owner); the owner's own Q/R -> Q, expiry never shortened; done by the
+-- owner -> DUPLICATE; another owner -> MISMATCH (checks differ), REPLACED (replace and Q) or
+-- DUPLICATE.
+local function gate(key, owner, ttl_ms, check, replace)
+  -- pcall: a key of another type (WRONGTYPE) is someone else's, not an error.
+  local value = redis.pcall('GET', key)
+  if not value then
+    redis.call('SET', key, 'Q|' .. check .. '|' .. owner, 'PX', ttl_ms)
+    return {1, false, false}
+  end
+  local state, held_check, held_owner = parse(value)
+  if not state then
+    return {2, false, false}
+  end
+  if held_owner == owner then
+    if state == 'D' then
+      return {2, state, held_owner}
+    end
+    -- Never shorten: a retry re-reserving for its countdown keeps the longer expiry.
+    -- PTTL -1 (no expiry, set by hand) gets ttl_ms: a lock never lives forever.
+    local px = ttl_ms
+    local pttl = redis.call('PTTL', key)
+    if pttl > tonumber(ttl_ms) then
+      px = pttl
+    end
+    redis.call('SET', key, 'Q|' .. held_check .. '|' .. owner, 'PX', px)
+    return {1, false, false}
+  end
+  if check ~= '' and held_check ~= '' and check ~= held_check then
+    return {3, state, held_owner}
+  end
+  if replace and state == 'Q' then
+    redis.call('SET', key, 'Q|' .. check .. '|' .. owner, 'PX', ttl_ms)
+    return {6, state, held_owner}
+  end
+  return {2, state, held_owner}
+end
