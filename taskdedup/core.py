@@ -142,6 +142,8 @@ class Deduplicator:
             else:
                 result = self.store.reserve(identity.key, owner, ttl_ms, identity.check)
         except StoreUnavailableError as exc:
+            if policy.on_store_error is OnStoreError.RAISE:
+                self._forget_reservation(identity.key, owner)
             return self._store_error(name, policy, identity.key, owner, exc, "enqueue")
         return self.verdict(name, identity, owner, result, time.perf_counter() - started)
 
@@ -170,6 +172,17 @@ class Deduplicator:
             raise IdempotencyKeyMismatch(key, existing)
         self._emit(Event.DUPLICATE, name, key, owner, existing, None, seconds)
         return GateResult(Verdict.DUPLICATE, existing, result.state)
+
+    def _forget_reservation(self, key: str, owner: str) -> None:
+        """After a failed reserve: if Redis ran it but the reply was lost, take it back.
+
+        The caller is told nothing was enqueued, so a reservation for ``owner`` must not
+        outlive the call and suppress the caller's retry. Best effort (Redis may be down).
+        """
+        try:
+            self.store.release(key, owner, only_queued=True)
+        except Exception:  # still unavailable: nothing was written, or it expires with ttl
+            logger.debug("taskdedup: could not take back the reservation of %s", owner)
 
     # -- worker ---------------------------------------------------------------------------
 

@@ -40,7 +40,7 @@ import redis
 from rq.defaults import DEFAULT_RESULT_TTL
 from rq.exceptions import DuplicateJobError, InvalidJobOperation, NoSuchJobError
 from rq.executions import Execution
-from rq.job import Job, JobStatus, Retry
+from rq.job import JOB_ID_PATTERN, Job, JobStatus, Retry
 from rq.queue import Queue
 from rq.registry import StartedJobRegistry
 from rq.timeouts import BaseDeathPenalty, UnixSignalDeathPenalty
@@ -220,6 +220,11 @@ def _task_of(func: Any) -> tuple[str, Callable[..., Any] | None]:
         cls = type(instance)
         return f"{cls.__module__}.{cls.__qualname__}.{func_name}", func
     return func_name, func
+
+
+def _is_job_id(value: str) -> bool:
+    """Whether ``value`` can be an RQ job id (a lock owner may be anyone's id, or garbage)."""
+    return bool(JOB_ID_PATTERN.fullmatch(value))
 
 
 def _delay_seconds(when: datetime) -> float:
@@ -473,6 +478,12 @@ class DedupQueue(Queue):
                 "nothing was enqueued. Enqueue the workflow once, or give the call a "
                 "dedup_key / dedup=False.",
             )
+        if existing_id is not None and not _is_job_id(existing_id):
+            raise DuplicateTaskError(
+                key, existing_id,
+                f"duplicate job {name}: {key} is held by {existing_id!r}, which is not an RQ "
+                "job id (another client's lock, e.g. Celery's, on the same identity)",
+            )
         if existing_id is None:  # a value taskdedup did not write holds the key
             raise DuplicateTaskError(
                 key, None,
@@ -512,6 +523,8 @@ class DedupQueue(Queue):
         reserve again — once, and only on this duplicate path."""
         existing = result.existing_id
         if result.state is not LockState.QUEUED or not existing or existing == owner:
+            return result
+        if not _is_job_id(existing):  # not an RQ job: not ours to judge stale
             return result
         if self._job_alive(existing, wait=self.heal_grace):
             return result

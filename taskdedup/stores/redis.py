@@ -23,12 +23,14 @@ from typing import Any, Self
 
 import redis
 from redis.client import NEVER_DECODE
+from redis.cluster import RedisCluster
 from redis.commands.core import Script
 from redis.exceptions import (
     AuthenticationError,
     NoPermissionError,
     NoScriptError,
     ReadOnlyError,
+    RedisClusterException,
     RedisError,
     ResponseError,
 )
@@ -219,7 +221,9 @@ class RedisStore:
 
     # -- plumbing ---------------------------------------------------------------------------
 
-    def _unavailable(self, action: str, exc: RedisError) -> StoreUnavailableError:
+    def _unavailable(
+        self, action: str, exc: RedisError | RedisClusterException
+    ) -> StoreUnavailableError:
         where = describe_client(self.client)
         detail = f"{type(exc).__name__}: {exc}"
         if isinstance(exc, AuthenticationError):
@@ -365,6 +369,11 @@ class RedisStore:
         try:
             for _attempt in range(2):
                 load = not self._bulk_ready
+                if load and isinstance(self.client, RedisCluster):
+                    # SCRIPT LOAD cannot ride in a cluster pipeline (it has no key); the
+                    # client sends it to every primary.
+                    self.client.script_load(script.script)
+                    self._bulk_ready, load = True, False
                 sha = script.sha
                 commands: list[tuple[Any, ...]] = [
                     ("EVALSHA", sha, 1, *items[index]) for index in pending
@@ -390,7 +399,7 @@ class RedisStore:
                 pending = missing
                 self._bulk_ready = False
             raise NoScriptError("the server lost the reserve script twice in a row")
-        except RedisError as exc:
+        except (RedisError, RedisClusterException) as exc:
             raise self._unavailable(f"reserve {len(items)} keys", exc) from exc
 
     def _exchange(self, commands: list[tuple[Any, ...]]) -> list[Any]:

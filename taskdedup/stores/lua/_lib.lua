@@ -6,6 +6,17 @@
 -- parse(v) -> state, check, owner; or nil for anything taskdedup did not write
 -- (another type, garbage), which every script treats as someone else's lock.
 
+-- read(key): GET, where a key of another type (WRONGTYPE) is someone else's value (a table,
+-- which parse() refuses), not an error; any other error (a missing ACL permission, OOM) is
+-- raised, so it reaches the caller instead of looking like a foreign lock.
+local function read(key)
+  local value = redis.pcall('GET', key)
+  if type(value) == 'table' and value.err and not string.find(value.err, '^WRONGTYPE') then
+    error(value)
+  end
+  return value
+end
+
 local function parse(v)
   if type(v) ~= 'string' then return nil end
   local state, check, owner = string.match(v, '^([QRD])|([0-9a-f]*)|(.+)$')
@@ -19,8 +30,7 @@ end
 -- owner -> DUPLICATE; another owner -> MISMATCH (checks differ), REPLACED (replace and Q) or
 -- DUPLICATE.
 local function gate(key, owner, ttl_ms, check, replace)
-  -- pcall: a key of another type (WRONGTYPE) is someone else's, not an error.
-  local value = redis.pcall('GET', key)
+  local value = read(key)
   if not value then
     redis.call('SET', key, 'Q|' .. check .. '|' .. owner, 'PX', ttl_ms)
     return {1, false, false}

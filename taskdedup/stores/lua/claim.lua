@@ -16,7 +16,7 @@
 local key = KEYS[1]
 local owner, lease_ms = ARGV[1], ARGV[2]
 
-local value = redis.pcall('GET', key)
+local value = read(key)
 if not value then
   redis.call('SET', key, 'R||' .. owner, 'PX', lease_ms)
   return {1, false, false}

@@ -15,7 +15,7 @@
 local key = KEYS[1]
 local owner, ttl_ms = ARGV[1], ARGV[2]
 
-local state, held_check, held_owner = parse(redis.pcall('GET', key))
+local state, held_check, held_owner = parse(read(key))
 if not state or held_owner ~= owner then
   return 5
 end

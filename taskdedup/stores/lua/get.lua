@@ -8,7 +8,7 @@
 -- {false, pttl} with pttl >= -1, so the caller can tell it from an absent key.
 
 local key = KEYS[1]
-local value = redis.pcall('GET', key)
+local value = read(key)
 if type(value) ~= 'string' then
   value = false
 end

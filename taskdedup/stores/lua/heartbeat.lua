@@ -15,7 +15,7 @@
 local key = KEYS[1]
 local owner, lease_ms = ARGV[1], ARGV[2]
 
-local state, _, held_owner = parse(redis.pcall('GET', key))
+local state, _, held_owner = parse(read(key))
 if not state or held_owner ~= owner then
   return 5
 end
