@@ -31,9 +31,9 @@ from kombu.transport import redis as kombu_redis
 from kombu.utils.json import dumps as json_dumps
 
 from . import stats
-from .core import DEFAULT_PREFIX, Deduplicator, Identity, Verdict
+from .core import DEFAULT_PREFIX, Deduplicator, Identity, Verdict, resolve_duplicate
 from .events import logger
-from .exceptions import ConfigurationError, DuplicateTaskError, StoreUnavailableError
+from .exceptions import ConfigurationError, StoreUnavailableError
 from .policy import Mode, OnDuplicate, Policy, is_disabled
 from .stores.base import LockResult, Outcome, Store
 from .stores.redis import RedisStore, reserve_and_push
@@ -205,33 +205,9 @@ class DedupTask(Task):  # type: ignore[misc]
     ) -> Any:
         carried = [name for name in _CALLBACK_OPTIONS if options.get(name)]
         carried += [n for n, v in (("link", link), ("link_error", link_error)) if v]
-        if carried:
-            raise DuplicateTaskError(
-                key, existing_id,
-                f"duplicate task {self.name}: {key} is held by {existing_id!r}, and this call "
-                f"carries {', '.join(sorted(set(carried)))}, which would be lost if it were "
-                "dropped; the workflow was not sent. Enqueue the workflow once, or give the "
-                "call a dedup_key / dedup=False.",
-            )
-        if existing_id is None:  # a value taskdedup did not write holds the key
-            raise DuplicateTaskError(
-                key, None,
-                f"duplicate task {self.name}: {key} holds a value taskdedup did not write; "
-                "inspect or delete that key",
-            )
-        mode = policy.on_duplicate
-        if mode is OnDuplicate.RAISE:
-            raise DuplicateTaskError(key, existing_id)
-        if mode is OnDuplicate.DROP:
-            logger.info("taskdedup: dropped duplicate %s (held by %s)", self.name, existing_id)
-            return None
-        if mode is OnDuplicate.REPLACE:
-            raise DuplicateTaskError(
-                key, existing_id,
-                f"cannot replace {self.name} {existing_id!r}: it has already started or "
-                "finished (replace only takes the place of a queued call)",
-            )
-        return self.AsyncResult(existing_id)
+        if resolve_duplicate(self.name, policy, key, existing_id, carried):
+            return self.AsyncResult(existing_id)
+        return None
 
     def _revoke(self, task_id: str) -> None:
         if self.app.conf.task_always_eager:

@@ -19,12 +19,20 @@ from enum import StrEnum
 from typing import Any
 
 from .events import Counters, DedupEvent, Event, Events, logger
-from .exceptions import ConfigurationError, IdempotencyKeyMismatch, StoreUnavailableError
+from .exceptions import (
+    ConfigurationError,
+    DuplicateTaskError,
+    IdempotencyKeyMismatch,
+    StoreUnavailableError,
+)
 from .identity import fingerprint, fingerprint_value
 from .policy import Mode, OnDuplicate, OnStoreError, Policy
 from .stores.base import LockResult, LockState, Outcome, Store
 
-__all__ = ["Deduplicator", "GateResult", "Heartbeat", "Identity", "StartResult", "Verdict"]
+__all__ = [
+    "Deduplicator", "GateResult", "Heartbeat", "Identity", "StartResult", "Verdict",
+    "resolve_duplicate",
+]
 
 DEFAULT_PREFIX = "taskdedup"
 
@@ -310,6 +318,47 @@ class Deduplicator:
 
 
 _STATE_WORDS = {LockState.QUEUED: "queued", LockState.RUNNING: "running", LockState.DONE: "done"}
+
+
+def resolve_duplicate(
+    name: str, policy: Policy, key: str, existing_id: str | None, carried: Sequence[str] = (),
+    *, unit: str = "task", replace_raises: bool = True,
+) -> bool:
+    """Apply ``on_duplicate`` to a call found to be a duplicate, the same way everywhere.
+
+    Returns True to hand the caller the original's handle, False to drop the call (logged at
+    INFO). Raises :class:`DuplicateTaskError` for ``raise``; for ``replace`` of an original
+    that has started (``replace_raises``); for a holder that is not an id (a value taskdedup
+    did not write); and whatever ``on_duplicate`` says, when the call carries a workflow
+    (``carried``: callbacks, chain steps, dependents), which dropping would lose silently.
+    """
+    if carried:
+        raise DuplicateTaskError(
+            key, existing_id,
+            f"duplicate {unit} {name}: {key} is held by {existing_id!r}, and this call carries "
+            f"{', '.join(sorted(set(carried)))}, which would be lost if it were dropped; "
+            f"nothing was sent. Enqueue the workflow once, or give the call a dedup_key / "
+            "dedup=False.",
+        )
+    if existing_id is None:
+        raise DuplicateTaskError(
+            key, None,
+            f"duplicate {unit} {name}: {key} holds a value taskdedup did not write; inspect "
+            "or delete that key",
+        )
+    mode = policy.on_duplicate
+    if mode is OnDuplicate.RAISE:
+        raise DuplicateTaskError(key, existing_id)
+    if mode is OnDuplicate.DROP:
+        logger.info("taskdedup: dropped duplicate %s (held by %s)", name, existing_id)
+        return False
+    if mode is OnDuplicate.REPLACE and replace_raises:
+        raise DuplicateTaskError(
+            key, existing_id,
+            f"cannot replace {unit} {name} {existing_id!r}: it has already started or "
+            f"finished (replace only takes the place of a queued {unit})",
+        )
+    return True
 
 
 class Heartbeat:

@@ -48,10 +48,17 @@ from rq.utils import import_attribute, now, resolve_function_reference
 from rq.worker import Worker
 
 from . import stats
-from .core import DEFAULT_PREFIX, Deduplicator, GateResult, Identity, Verdict
+from .core import (
+    DEFAULT_PREFIX,
+    Deduplicator,
+    GateResult,
+    Identity,
+    Verdict,
+    resolve_duplicate,
+)
 from .events import logger
 from .exceptions import ConfigurationError, DuplicateTaskError, StoreUnavailableError
-from .policy import Mode, OnDuplicate, Policy, PolicyLike, is_disabled
+from .policy import Mode, Policy, PolicyLike, is_disabled
 from .stores.base import LockState, Store
 from .stores.redis import RedisStore
 
@@ -470,39 +477,20 @@ class DedupQueue(Queue):
         params: Mapping[str, Any],
     ) -> Job | None:
         carried = [option for option in _WORKFLOW_OPTIONS if params.get(option)]
-        if carried:
-            raise DuplicateTaskError(
-                key, existing_id,
-                f"duplicate job {name}: {key} is held by {existing_id!r}, and this call "
-                f"carries {', '.join(carried)}, which would be lost if it were dropped; "
-                "nothing was enqueued. Enqueue the workflow once, or give the call a "
-                "dedup_key / dedup=False.",
-            )
-        if existing_id is not None and not _is_job_id(existing_id):
+        if existing_id is not None and not _is_job_id(existing_id) and not carried:
             raise DuplicateTaskError(
                 key, existing_id,
                 f"duplicate job {name}: {key} is held by {existing_id!r}, which is not an RQ "
                 "job id (another client's lock, e.g. Celery's, on the same identity)",
             )
-        if existing_id is None:  # a value taskdedup did not write holds the key
-            raise DuplicateTaskError(
-                key, None,
-                f"duplicate job {name}: {key} holds a value taskdedup did not write; inspect "
-                "or delete that key",
-            )
-        mode = policy.on_duplicate
-        if mode is OnDuplicate.RAISE:
-            raise DuplicateTaskError(key, existing_id)
-        if mode is OnDuplicate.DROP:
-            logger.info("taskdedup: dropped duplicate %s (held by %s)", name, existing_id)
-            return None
-        if mode is OnDuplicate.REPLACE and existing_id != params.get("job_id"):
-            raise DuplicateTaskError(
-                key, existing_id,
-                f"cannot replace {name} {existing_id!r}: it has already started or finished "
-                "(replace only takes the place of a queued job)",
-            )
-        return self._original(existing_id)
+        # An explicit job_id re-enqueued while alive is a duplicate of itself: "replace" has
+        # nothing to take the place of, so the job itself is returned.
+        itself = existing_id == params.get("job_id")
+        if resolve_duplicate(name, policy, key, existing_id, carried, unit="job",
+                             replace_raises=not itself):
+            assert existing_id is not None
+            return self._original(existing_id)
+        return None
 
     def _original(self, job_id: str) -> Job:
         """The original job by id; an unfetched handle if its data already expired."""
