@@ -12,7 +12,6 @@ worker's unacknowledged messages are redelivered).
 from __future__ import annotations
 
 import os
-import sys
 
 import redis
 from celery import Celery, signals
@@ -20,7 +19,7 @@ from celery import Celery, signals
 from taskdedup import Policy
 from taskdedup.celery import DedupTask
 from tests.fault_jobs import r, wait_gate
-from tests.workers import ROOT, CeleryWorker
+from tests.workers import CeleryWorker
 
 URL = os.environ.get("TASKDEDUP_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 VISIBILITY = float(os.environ.get("TASKDEDUP_TEST_VISIBILITY", "3600"))
@@ -79,31 +78,7 @@ def _record_state(
 class FaultCeleryWorker(CeleryWorker):
     """:class:`tests.workers.CeleryWorker` running this app instead of ``tests.celery_app``."""
 
-    def start(self, timeout: float = 60.0) -> FaultCeleryWorker:
-        import subprocess
-
-        from taskdedup.testing import wait_for
-
-        env = {
-            **os.environ,
-            "TASKDEDUP_TEST_REDIS_URL": self.redis_url,
-            "TASKDEDUP_TEST_QUEUE": self.queue,
-            "PYTHONPATH": str(ROOT),
-            **self.extra_env,
-        }
-        cmd = [
-            sys.executable, "-m", "celery", "-A", "tests.fault_celery_app", "worker",
-            "-P", self.pool, "-c", str(self.concurrency), "-Q", self.queue,
-            "-n", f"{self.queue}-{os.getpid()}-{id(self)}@%h",
-            "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "INFO",
-        ]
-        with open(self.log, "ab") as out:
-            self.process = subprocess.Popen(
-                cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True,
-            )
-        wait_for(self._ready, timeout=timeout, what="celery worker ready")
-        return self
+    app_module = "tests.fault_celery_app"
 
     def child_pids(self) -> list[int]:
         """The pool processes (children of the main process)."""

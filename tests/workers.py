@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Self
 
 import redis
 
@@ -16,69 +17,101 @@ from taskdedup.testing import wait_for
 ROOT = Path(__file__).resolve().parent.parent
 
 
-class CeleryWorker:
-    """``celery -A tests.celery_app worker`` (prefork) in its own process group."""
+class WorkerProcess:
+    """A worker command in its own process group, with its output in a log file.
 
-    def __init__(
-        self, redis_url: str, *, queue: str = "celery", concurrency: int = 2,
-        pool: str = "prefork", env: dict[str, str] | None = None,
-    ) -> None:
+    Subclasses give :meth:`command` and :meth:`ready`; this class starts, waits, stops
+    (SIGTERM: warm shutdown) and kills (SIGKILL of the whole group).
+    """
+
+    kind = "worker"
+    stop_timeout = 20.0
+
+    def __init__(self, redis_url: str, env: dict[str, str] | None = None) -> None:
         self.redis_url = redis_url
-        self.queue = queue
-        self.concurrency = concurrency
-        self.pool = pool
         self.extra_env = dict(env or {})
-        self.log = Path(tempfile.mkstemp(prefix="celery-worker-", suffix=".log")[1])
+        self.log = Path(tempfile.mkstemp(prefix=f"{self.kind}-", suffix=".log")[1])
         self.process: subprocess.Popen[bytes] | None = None
 
-    def start(self, timeout: float = 60.0) -> CeleryWorker:
-        env = {
-            **os.environ,
-            "TASKDEDUP_TEST_REDIS_URL": self.redis_url,
-            "TASKDEDUP_TEST_QUEUE": self.queue,
-            "PYTHONPATH": str(ROOT),
-            **self.extra_env,
-        }
-        cmd = [
-            sys.executable, "-m", "celery", "-A", "tests.celery_app", "worker",
-            "-P", self.pool, "-c", str(self.concurrency), "-Q", self.queue,
-            "-n", f"{self.queue}-{os.getpid()}-{id(self)}@%h",
-            "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "INFO",
-        ]
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    def environment(self) -> dict[str, str]:
+        return {"TASKDEDUP_TEST_REDIS_URL": self.redis_url, "PYTHONPATH": str(ROOT)}
+
+    def ready(self) -> bool:
+        raise NotImplementedError
+
+    def start(self, timeout: float = 60.0) -> Self:
+        env = {**os.environ, **self.environment(), **self.extra_env}
         with open(self.log, "ab") as out:
             self.process = subprocess.Popen(
-                cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                self.command(), cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, start_new_session=True,
             )
-        wait_for(self._ready, timeout=timeout, what="celery worker ready")
+        wait_for(self._started, timeout=timeout, what=f"{self.kind} ready")
         return self
 
-    def _ready(self) -> bool:
+    def _started(self) -> bool:
         assert self.process is not None
         if self.process.poll() is not None:
-            raise RuntimeError(f"celery worker exited early:\n{self.output()[-4000:]}")
-        return " ready." in self.output()
+            raise RuntimeError(f"{self.kind} exited early:\n{self.output()[-4000:]}")
+        return self.ready()
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
 
     def kill(self) -> None:
-        """SIGKILL the whole worker (main process and pool children) at once."""
+        """SIGKILL the whole process group at once."""
         if self.process is not None and self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(timeout=10)
 
     def stop(self) -> None:
+        """Warm shutdown (SIGTERM): the worker finishes its current task, then exits."""
         if self.process is None or self.process.poll() is not None:
             return
         os.killpg(self.process.pid, signal.SIGTERM)
         try:
-            self.process.wait(timeout=20)
+            self.process.wait(timeout=self.stop_timeout)
         except subprocess.TimeoutExpired:
             self.kill()
 
 
-class RqWorker:
+class CeleryWorker(WorkerProcess):
+    """``celery -A tests.celery_app worker`` (prefork) in its own process group.
+
+    :meth:`kill` SIGKILLs the main process and the pool children at once.
+    """
+
+    kind = "celery-worker"
+    app_module = "tests.celery_app"
+
+    def __init__(
+        self, redis_url: str, *, queue: str = "celery", concurrency: int = 2,
+        pool: str = "prefork", env: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(redis_url, env)
+        self.queue = queue
+        self.concurrency = concurrency
+        self.pool = pool
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable, "-m", "celery", "-A", self.app_module, "worker",
+            "-P", self.pool, "-c", str(self.concurrency), "-Q", self.queue,
+            "-n", f"{self.queue}-{os.getpid()}-{id(self)}@%h",
+            "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "INFO",
+        ]
+
+    def environment(self) -> dict[str, str]:
+        return {**super().environment(), "TASKDEDUP_TEST_QUEUE": self.queue}
+
+    def ready(self) -> bool:
+        return " ready." in self.output()
+
+
+class RqWorker(WorkerProcess):
     """``rq worker`` (``taskdedup.rq.DedupWorker`` with ``DedupJob``) in its own process group.
 
     Ready when the worker has registered in Redis and is idle (and, with ``scheduler``, holds
@@ -86,68 +119,32 @@ class RqWorker:
     does not reach a running horse: a test that needs it dead kills its pid too.
     """
 
+    kind = "rq-worker"
+    stop_timeout = 30.0
+
     def __init__(
         self, redis_url: str, queues: list[str], *, scheduler: bool = True,
         worker_class: str = "taskdedup.rq.DedupWorker", env: dict[str, str] | None = None,
     ) -> None:
-        self.redis_url = redis_url
+        super().__init__(redis_url, env)
         self.queues = list(queues)
         self.scheduler = scheduler
         self.worker_class = worker_class
-        self.extra_env = dict(env or {})
         self.name = f"rqw-{os.getpid()}-{id(self):x}"
-        self.log = Path(tempfile.mkstemp(prefix="rq-worker-", suffix=".log")[1])
-        self.process: subprocess.Popen[bytes] | None = None
+        self._client: redis.Redis | None = None
 
-    def start(self, timeout: float = 60.0) -> RqWorker:
-        env = {
-            **os.environ,
-            "TASKDEDUP_TEST_REDIS_URL": self.redis_url,
-            "PYTHONPATH": str(ROOT),
-            **self.extra_env,
-        }
-        cmd = [
+    def command(self) -> list[str]:
+        return [
             sys.executable, "-m", "rq.cli", "worker", "-w", self.worker_class,
             "--job-class", "taskdedup.rq.DedupJob", "--url", self.redis_url, "-n", self.name,
             *(["--with-scheduler"] if self.scheduler else []), *self.queues,
         ]
-        with open(self.log, "ab") as out:
-            self.process = subprocess.Popen(
-                cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True,
-            )
-        client = redis.Redis.from_url(self.redis_url)
-        try:
-            wait_for(lambda: self._ready(client), timeout=timeout, what="rq worker ready")
-        finally:
-            client.close()
-        return self
 
-    def _ready(self, client: redis.Redis) -> bool:
-        assert self.process is not None
-        if self.process.poll() is not None:
-            raise RuntimeError(f"rq worker exited early:\n{self.output()[-4000:]}")
-        state = client.hget(f"rq:worker:{self.name}", "state")
-        if state != b"idle":
+    def ready(self) -> bool:
+        if self._client is None:
+            self._client = redis.Redis.from_url(self.redis_url)
+        client = self._client
+        if client.hget(f"rq:worker:{self.name}", "state") != b"idle":
             return False
         lock = f"rq:scheduler-lock:{self.queues[0]}"
         return not self.scheduler or bool(client.exists(lock))
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def kill(self) -> None:
-        """SIGKILL the worker's process group (main process and scheduler, not the horse)."""
-        if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(timeout=10)
-
-    def stop(self) -> None:
-        """Warm shutdown (SIGTERM): the worker finishes its current job, then exits."""
-        if self.process is None or self.process.poll() is not None:
-            return
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.kill()
