@@ -11,12 +11,12 @@ from __future__ import annotations
 import os
 import time
 
-import redis
 from celery import Celery, signals
 from celery.exceptions import Ignore, Reject
 
 from taskdedup import Policy
 from taskdedup.celery import DedupTask
+from tests.effects import effect, r, wait_gate
 
 URL = os.environ.get("TASKDEDUP_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 VISIBILITY = float(os.environ.get("TASKDEDUP_TEST_VISIBILITY", "3600"))
@@ -36,29 +36,6 @@ app.conf.update(
         "unacked_restore_throttle": 1,
     },
 )
-
-_client: redis.Redis | None = None
-
-
-def r() -> redis.Redis:
-    global _client
-    if _client is None or _client.connection_pool.pid != os.getpid():  # type: ignore[attr-defined]
-        _client = redis.Redis.from_url(URL)
-    return _client
-
-
-def effect(label: str, value: object = 1) -> None:
-    r().rpush(f"effects:{label}", str(value))
-
-
-def wait_gate(label: str, timeout: float = 60.0) -> None:
-    """Block the body until the test sets ``go:<label>`` (bounded)."""
-    deadline = time.monotonic() + timeout
-    while not r().exists(f"go:{label}"):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"gate {label} never opened")
-        time.sleep(0.02)
-
 
 @app.task(base=DedupTask, dedup=Policy(ttl=60))
 def record(label: str, n: int = 0) -> str:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from typing import Any
 
 import redis
@@ -29,32 +28,10 @@ import redis
 from taskdedup import Policy
 from taskdedup.core import Deduplicator, Identity
 from taskdedup.stores import RedisStore
+from tests.effects import effect, r, wait_gate  # noqa: F401 (re-exported)
 
 SCALE = max(1, int(os.environ.get("TASKDEDUP_SOAK", "1") or "1"))
 """How many times the default number of faults to inject (``TASKDEDUP_SOAK``)."""
-
-_client: redis.Redis | None = None
-_client_pid = 0
-
-
-def r() -> redis.Redis:
-    """A client for this process (a new one after a fork)."""
-    global _client, _client_pid
-    if _client is None or _client_pid != os.getpid():
-        url = os.environ.get("TASKDEDUP_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-        _client = redis.Redis.from_url(url)
-        _client_pid = os.getpid()
-    return _client
-
-
-def wait_gate(label: str, timeout: float = 120.0) -> None:
-    """Block the body until the test sets ``go:<label>`` (bounded)."""
-    deadline = time.monotonic() + timeout
-    while not r().exists(f"go:{label}"):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"gate {label} never opened")
-        time.sleep(0.01)
-
 
 def _job_id() -> str:
     from rq import get_current_job

@@ -12,36 +12,12 @@ import os
 import time
 from typing import Any
 
-import redis
 from rq.job import Retry
 
 from taskdedup.rq import DedupWorker
+from tests.effects import effect, r, wait_gate
 
 URL = os.environ.get("TASKDEDUP_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-
-_client: redis.Redis | None = None
-
-
-def r() -> redis.Redis:
-    """A client for this process (a new one after a fork)."""
-    global _client
-    if _client is None or _client.connection_pool.pid != os.getpid():  # type: ignore[attr-defined]
-        _client = redis.Redis.from_url(os.environ.get("TASKDEDUP_TEST_REDIS_URL", URL))
-    return _client
-
-
-def effect(label: str, value: object = 1) -> None:
-    r().rpush(f"effects:{label}", str(value))
-
-
-def wait_gate(label: str, timeout: float = 60.0) -> None:
-    """Block the body until the test sets ``go:<label>`` (bounded)."""
-    deadline = time.monotonic() + timeout
-    while not r().exists(f"go:{label}"):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"gate {label} never opened")
-        time.sleep(0.02)
-
 
 def record(label: str, n: int = 0) -> str:
     effect(label, n)

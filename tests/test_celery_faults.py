@@ -31,7 +31,6 @@ def capp(redis_url: str) -> Iterator[Any]:
         task_default_queue="it-faults",
     )
     celery_app.app.__dict__.pop("_taskdedup", None)
-    celery_app._client = None
     yield celery_app
 
 

@@ -42,7 +42,6 @@ def capp(redis_url: str, worker: CeleryWorker) -> Any:
         task_default_queue=worker.queue,
     )
     app.__dict__.pop("_taskdedup", None)
-    celery_app._client = None
     return celery_app
 
 

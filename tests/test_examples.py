@@ -12,18 +12,24 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def run_example(name: str, redis_url: str) -> str:
+    """Run ``examples/<name>`` against the session's Redis; its stdout (it must exit 0)."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / name)],
+        env={**os.environ, "TASKDEDUP_URL": redis_url},
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
 @pytest.mark.slow
 def test_celery_example_charges_once(redis_url: str) -> None:
     import redis
 
     redis.Redis.from_url(redis_url).delete("charges:ORD-789")
-    env = {**os.environ, "TASKDEDUP_URL": redis_url}
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "celery_app.py")],
-        env=env, capture_output=True, text=True, timeout=120,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "charges recorded: 1" in done.stdout
+    stdout = run_example("celery_app.py", redis_url)
+    assert "charges recorded: 1" in stdout
 
 
 @pytest.mark.slow
@@ -31,25 +37,15 @@ def test_rq_example_sends_the_email_once(redis_url: str) -> None:
     import redis
 
     redis.Redis.from_url(redis_url).delete("emails:42")
-    env = {**os.environ, "TASKDEDUP_URL": redis_url}
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "rq_app.py")],
-        env=env, capture_output=True, text=True, timeout=120,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "e-mails sent: 1" in done.stdout
+    stdout = run_example("rq_app.py", redis_url)
+    assert "e-mails sent: 1" in stdout
 
 
 @pytest.mark.slow
 def test_webhook_receiver_turns_retried_deliveries_into_one_task(redis_url: str) -> None:
-    env = {**os.environ, "TASKDEDUP_URL": redis_url}
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "webhook_receiver.py")],
-        env=env, capture_output=True, text=True, timeout=120,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    deliveries = [line for line in done.stdout.splitlines() if line.startswith("delivery -> ")]
+    stdout = run_example("webhook_receiver.py", redis_url)
+    deliveries = [line for line in stdout.splitlines() if line.startswith("delivery -> ")]
     assert len(deliveries) == 3 and all(" 202 " in line for line in deliveries)
     assert len({line.split("'job': ")[1] for line in deliveries}) == 1  # one job id
-    assert "reused key with another body -> 422" in done.stdout
-    assert "payments booked: 1" in done.stdout
+    assert "reused key with another body -> 422" in stdout
+    assert "payments booked: 1" in stdout

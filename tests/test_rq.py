@@ -36,7 +36,6 @@ TERMINAL = ("finished", "failed", "canceled", "stopped")
 @pytest.fixture(scope="module")
 def rc(redis_url: str) -> Iterator[redis.Redis]:
     os.environ["TASKDEDUP_TEST_REDIS_URL"] = redis_url
-    rq_jobs._client = None
     client = redis.Redis.from_url(redis_url)
     yield client
     client.close()

@@ -1,0 +1,40 @@
+"""Side effects and gates shared by the task bodies of every test app (Celery and RQ).
+
+Bodies run in worker subprocesses; they record what they did in Redis (``RPUSH
+effects:<label>``) so the test process can count executions across processes, and
+``wait_gate`` holds a body until the test sets ``go:<label>`` (always with a deadline).
+The server is ``TASKDEDUP_TEST_REDIS_URL``, which the test fixtures set for themselves and
+pass to the workers.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import redis
+
+_client: redis.Redis | None = None
+_client_pid = 0
+
+
+def r() -> redis.Redis:
+    """A client for this process (a new one after a fork)."""
+    global _client, _client_pid
+    if _client is None or _client_pid != os.getpid():
+        url = os.environ.get("TASKDEDUP_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+        _client, _client_pid = redis.Redis.from_url(url), os.getpid()
+    return _client
+
+
+def effect(label: str, value: object = 1) -> None:
+    r().rpush(f"effects:{label}", str(value))
+
+
+def wait_gate(label: str, timeout: float = 120.0) -> None:
+    """Block the body until the test sets ``go:<label>``; TimeoutError at the deadline."""
+    deadline = time.monotonic() + timeout
+    while not r().exists(f"go:{label}"):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"gate {label} never opened")
+        time.sleep(0.01)
