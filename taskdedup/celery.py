@@ -36,7 +36,7 @@ from .events import logger
 from .exceptions import ConfigurationError, StoreUnavailableError
 from .policy import Mode, OnDuplicate, Policy, is_disabled
 from .stores.base import LockResult, Outcome, Store
-from .stores.redis import RedisStore, reserve_and_push
+from .stores.redis import RedisStore, reserve_and_run
 
 __all__ = ["HEADER", "DedupTask", "DuplicateExecution", "get_deduplicator"]
 
@@ -299,9 +299,9 @@ class _Channel(kombu_redis.Channel):
         priority = self._get_message_priority(message, reverse=False)  # type: ignore[no-untyped-call]
         list_key = self._q_for_pri(queue, priority)  # type: ignore[no-untyped-call]
         with self.conn_or_acquire() as client:
-            fused.result = reserve_and_push(
+            fused.result, _ = reserve_and_run(
                 client, fused.key, fused.owner, fused.ttl_ms, fused.check, fused.replace,
-                list_key, json_dumps(message),  # type: ignore[no-untyped-call]
+                [("LPUSH", list_key, json_dumps(message))],  # type: ignore[no-untyped-call]
             )
         if self._expires and queue in self._expires and fused.result.outcome in _PUSHED:
             with self.conn_or_acquire() as client:

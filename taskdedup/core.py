@@ -152,7 +152,7 @@ class Deduplicator:
         except StoreUnavailableError as exc:
             if policy.on_store_error is OnStoreError.RAISE:
                 self._forget_reservation(identity.key, owner)
-            return self._store_error(name, policy, identity.key, owner, exc, "enqueue")
+            return self.store_error(name, policy, identity.key, owner, exc, "enqueue")
         return self.verdict(name, identity, owner, result, time.perf_counter() - started)
 
     def verdict(
@@ -210,7 +210,7 @@ class Deduplicator:
         try:
             result = self.store.claim(key, owner, policy.lease_ms)
         except StoreUnavailableError as exc:
-            return self._store_error(name, policy, key, owner, exc, "start")
+            return self.store_error(name, policy, key, owner, exc, "start")
         if result.outcome is Outcome.ACQUIRED:
             self._emit(Event.CLAIMED, name, key, owner)
             self.heartbeat().add(name, key, owner, policy.lease_ms)
@@ -297,10 +297,13 @@ class Deduplicator:
 
     # -- helpers --------------------------------------------------------------------------
 
-    def _store_error(
+    def store_error(
         self, name: str, policy: Policy, key: str, owner: str, exc: StoreUnavailableError,
         where: str,
     ) -> GateResult:
+        """Report a store failure at ``where`` and apply ``on_store_error``: UNGUARDED for
+        ``allow`` (logged at WARNING), else ``exc`` is raised. For integrations that reach
+        the store in their own round trip (RQ's fused enqueue)."""
         self._emit(Event.STORE_ERROR, name, key, owner, detail=where)
         if policy.on_store_error is OnStoreError.ALLOW:
             logger.warning(

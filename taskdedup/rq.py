@@ -37,6 +37,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, Final
 
 import redis
+from redis.cluster import RedisCluster
 from rq.defaults import DEFAULT_RESULT_TTL
 from rq.exceptions import DuplicateJobError, InvalidJobOperation, NoSuchJobError
 from rq.executions import Execution
@@ -58,9 +59,9 @@ from .core import (
 )
 from .events import logger
 from .exceptions import ConfigurationError, DuplicateTaskError, StoreUnavailableError
-from .policy import Mode, Policy, PolicyLike, is_disabled
+from .policy import Mode, OnDuplicate, Policy, PolicyLike, is_disabled
 from .stores.base import LockState, Store
-from .stores.redis import RedisStore
+from .stores.redis import RedisStore, reserve_and_run
 
 __all__ = [
     "META_KEY", "DedupJob", "DedupQueue", "DedupWorker", "get_deduplicator", "skipped_info",
@@ -232,6 +233,27 @@ def _task_of(func: Any) -> tuple[str, Callable[..., Any] | None]:
 def _is_job_id(value: str) -> bool:
     """Whether ``value`` can be an RQ job id (a lock owner may be anyone's id, or garbage)."""
     return bool(JOB_ID_PATTERN.fullmatch(value))
+
+
+def _alive(status: str | None) -> bool:
+    """Whether a job with this status (None: no such job) exists and has not ended."""
+    return status is not None and status not in _DEAD_STATUSES
+
+
+def _decode_hash(flat: list[Any] | None) -> dict[str, Any]:
+    """A job hash as HGETALL in Lua answers it (a flat list), with text keys; the status
+    under ``"status"`` as text too. Values stay bytes (``Job.restore`` reads them so)."""
+    if not flat:
+        return {}
+    items = iter(flat)
+    data = {_as_text(field): value for field, value in zip(items, items, strict=True)}
+    if "status" in data:
+        data["status"] = _as_text(data["status"])
+    return data
+
+
+def _as_text(value: Any) -> Any:
+    return value.decode("utf-8", "surrogateescape") if isinstance(value, bytes) else value
 
 
 def _delay_seconds(when: datetime) -> float:
@@ -449,14 +471,17 @@ class DedupQueue(Queue):
             status = self._job_status(job_id)
             if unique and status is not None:
                 return publish(job)  # RQ raises DuplicateJobError; the lock is that job's
-            if status is not None and status not in _DEAD_STATUSES:
+            if _alive(status):
                 # The same job id re-enqueued while it is alive: a duplicate of itself.
                 return self._on_duplicate(policy, name, identity.key, job_id, params)
 
         ttl_ms = self._reservation_ttl_ms(policy, when, params.get("ttl"))
+        if not unique and self._fuses(job):
+            return self._enqueue_fused(job, name, policy, identity, ttl_ms, when, at_front,
+                                       params, publish)
         result = self.dedup.gate(name, policy, identity, owner, ttl_ms=ttl_ms)
-        if result.verdict is Verdict.DUPLICATE:
-            result = self._heal(name, policy, identity, owner, ttl_ms, result)
+        if result.verdict is Verdict.DUPLICATE and self._release_stale(name, identity, result):
+            result = self.dedup.gate(name, policy, identity, owner, ttl_ms=ttl_ms)
         if result.verdict is Verdict.DUPLICATE:
             return self._on_duplicate(policy, name, identity.key, result.existing_id, params)
         if result.verdict is Verdict.REPLACED and result.existing_id:
@@ -470,11 +495,76 @@ class DedupQueue(Queue):
                 self.dedup.release(name, identity.key, owner, reason="publish_failed")
             raise
 
+    # -- one round trip: reserve inside RQ's own enqueue -------------------------------------
+
+    def _fuses(self, job: Job) -> bool:
+        """Whether this job's reservation can ride in the script that writes and queues it:
+        the locks live in this queue's Redis, which is not a Cluster, and the job has no
+        dependencies (RQ WATCHes those) nor a rate limit (promoted in its own round trips)."""
+        store = self.dedup.store
+        return (
+            self._is_async
+            and isinstance(store, RedisStore)
+            and not isinstance(self.connection, RedisCluster)
+            and getattr(store.client, "connection_pool", None)
+            is getattr(self.connection, "connection_pool", False)
+            and not job._dependency_ids
+            and not job.has_rate_limit
+        )
+
+    def _enqueue_fused(
+        self, job: Job, name: str, policy: Policy, identity: Identity, ttl_ms: int,
+        when: datetime | None, at_front: bool, params: Mapping[str, Any],
+        publish: Callable[[Job], Job],
+    ) -> Job | None:
+        """Reserve and enqueue in one Lua script (``enqueue.lua``), one round trip.
+
+        RQ writes its enqueue (or schedule) commands into a pipeline that is never executed;
+        the script runs them only if the reservation is taken. A duplicate's answer carries
+        the original job's hash, so it costs no further round trip either. If the script
+        fails, nothing of it is left (it is atomic), so nothing is released: on a lost reply
+        the reservation and the job may both exist, and the caller's retry is answered with
+        that job.
+        """
+        owner = job.id
+        pipe = self.connection.pipeline()
+        try:
+            if when is None:
+                self.enqueue_job(job, pipeline=pipe, at_front=at_front)
+            else:
+                if at_front:
+                    job.enqueue_at_front = True
+                self.schedule_job(job, when, pipeline=pipe)
+            commands = [command for command, _options in pipe.command_stack]
+        finally:
+            pipe.reset()
+        replace = policy.on_duplicate is OnDuplicate.REPLACE
+        peek = self.job_class.redis_job_namespace_prefix
+        for _attempt in range(2):
+            started = time.perf_counter()
+            try:
+                lock, peeked = reserve_and_run(self.connection, identity.key, owner, ttl_ms,
+                                               identity.check, replace, commands, peek)
+            except StoreUnavailableError as exc:
+                self.dedup.store_error(name, policy, identity.key, owner, exc, "enqueue")
+                return publish(job)  # on_store_error="allow": enqueued without dedup
+            result = self.dedup.verdict(name, identity, owner, lock,
+                                        time.perf_counter() - started)
+            if result.verdict is Verdict.REPLACED and result.existing_id:
+                self._cancel_replaced(result.existing_id)
+            if result.verdict is not Verdict.DUPLICATE:
+                return job
+            holder = _decode_hash(peeked)
+            if not self._release_stale(name, identity, result, holder.get("status")):
+                break
+        return self._on_duplicate(policy, name, identity.key, result.existing_id, params,
+                                  holder)
+
     # -- duplicates --------------------------------------------------------------------------
 
     def _on_duplicate(
         self, policy: Policy, name: str, key: str, existing_id: str | None,
-        params: Mapping[str, Any],
+        params: Mapping[str, Any], holder: Mapping[str, Any] | None = None,
     ) -> Job | None:
         carried = [option for option in _WORKFLOW_OPTIONS if params.get(option)]
         if existing_id is not None and not _is_job_id(existing_id) and not carried:
@@ -489,37 +579,41 @@ class DedupQueue(Queue):
         if resolve_duplicate(name, policy, key, existing_id, carried, unit="job",
                              replace_raises=not itself):
             assert existing_id is not None
-            return self._original(existing_id)
+            return self._original(existing_id, holder)
         return None
 
-    def _original(self, job_id: str) -> Job:
-        """The original job by id; an unfetched handle if its data already expired."""
+    def _original(self, job_id: str, holder: Mapping[str, Any] | None = None) -> Job:
+        """The original job by id, from its hash when the gate's answer carried it (else
+        fetched); an unfetched handle if its data already expired."""
+        job = self.job_class(job_id, connection=self.connection, serializer=self.serializer)
         try:
-            job = self.job_class.fetch(job_id, connection=self.connection,
-                                       serializer=self.serializer)
+            if holder:
+                job.restore(holder)
+            else:
+                job.refresh()  # type: ignore[no-untyped-call]
         except NoSuchJobError:
             job = self.job_class(job_id, connection=self.connection, serializer=self.serializer)
         if isinstance(job, DedupJob):
             job._taskdedup = self.dedup
         return job
 
-    def _heal(
-        self, name: str, policy: Policy, identity: Identity, owner: str, ttl_ms: int,
-        result: GateResult,
-    ) -> GateResult:
-        """Free a queued reservation whose job no longer exists (or already ended), then
-        reserve again — once, and only on this duplicate path."""
+    def _release_stale(
+        self, name: str, identity: Identity, result: GateResult, status: Any = None
+    ) -> bool:
+        """Free a queued reservation whose job no longer exists (or already ended), so the
+        caller may reserve again — only on the duplicate path. ``status``: the holder's job
+        status when the gate's answer carried it (``None``: unknown, or no such job)."""
         existing = result.existing_id
-        if result.state is not LockState.QUEUED or not existing or existing == owner:
-            return result
+        if result.state is not LockState.QUEUED or not existing:
+            return False
         if not _is_job_id(existing):  # not an RQ job: not ours to judge stale
-            return result
-        if self._job_alive(existing, wait=self.heal_grace):
-            return result
+            return False
+        if _alive(status) or self._job_alive(existing, wait=self.heal_grace):
+            return False
         if self.dedup.release(name, identity.key, existing, reason="stale", only_queued=True):
             logger.info("taskdedup: released stale lock %s of vanished job %s", identity.key,
                         existing)
-        return self.dedup.gate(name, policy, identity, owner, ttl_ms=ttl_ms)
+        return True
 
     def _cancel_replaced(self, job_id: str) -> None:
         """Cancel the queued original that a ``replace`` displaced (the claim fence covers a
@@ -539,8 +633,7 @@ class DedupQueue(Queue):
         """Whether ``job_id`` exists and has not ended, polling up to ``wait`` seconds."""
         deadline = time.monotonic() + wait
         while True:
-            status = self._job_status(job_id)
-            if status is not None and status not in _DEAD_STATUSES:
+            if _alive(self._job_status(job_id)):
                 return True
             if time.monotonic() >= deadline:
                 return False

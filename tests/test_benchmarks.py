@@ -127,9 +127,13 @@ def test_claim_and_complete_are_two_evalsha(
     assert info is not None and info.state is LockState.DONE and info.owner == owner
 
 
-def test_gated_rq_enqueue_adds_exactly_one_reserve_evalsha(
+def test_gated_rq_enqueue_is_one_round_trip_on_the_queues_redis(
     redis_client: redis.Redis, scripts_cached: None,
 ) -> None:
+    """Locks in the queue's own Redis (the default): the reservation, RQ's job write and its
+    push run in one EVALSHA of enqueue.lua — one round trip, where a plain enqueue takes two
+    — and the server runs the same RQ commands as for a plain enqueue. A duplicate is that
+    one round trip too (the original job's hash rides in the answer)."""
     name = f"rt-{uuid.uuid4().hex[:8]}"
     plain = Queue(name, connection=redis_client)
     gated = DedupQueue(name, connection=redis_client, dedup=Policy(ttl=60))
@@ -141,17 +145,48 @@ def test_gated_rq_enqueue_adds_exactly_one_reserve_evalsha(
         plain.enqueue(rq_jobs.record, "rt", 1)
     middle = command_calls(redis_client)
     with RoundTripCounter() as gated_sent:
-        gated.enqueue(rq_jobs.record, "rt", 2)
+        job = gated.enqueue(rq_jobs.record, "rt", 2)
     after = command_calls(redis_client)
+    with RoundTripCounter() as duplicate_sent:
+        again = gated.enqueue(rq_jobs.record, "rt", 2)
+    plain.empty()
+
+    assert plain_sent.round_trips == 2
+    assert gated_sent.round_trips == 1
+    assert gated_sent.commands == Counter({"EVALSHA": 1})
+    assert gated_sent.shas == [SHA["enqueue"]]
+    plain_server, gated_server = _delta(before, middle), _delta(middle, after)
+    assert plain_server["evalsha"] == 0
+    assert gated_server["evalsha"] == 1 and gated_server["eval"] == 0
+    for command in ("sadd", "hset", "rpush"):
+        assert gated_server[command] == plain_server[command] > 0, command
+    assert job is not None and again is not None and again.id == job.id
+    assert again.func_name == job.func_name and again.args == ("rt", 2)
+    assert duplicate_sent.round_trips == 1 and duplicate_sent.shas == [SHA["enqueue"]]
+
+
+def test_gated_rq_enqueue_with_another_lock_store_adds_exactly_one_evalsha(
+    redis_url: str, redis_client: redis.Redis, scripts_cached: None,
+) -> None:
+    """Locks on another client (``dedup_store=``/``TASKDEDUP_URL``): one reserve EVALSHA on
+    top of RQ's own enqueue, nothing else."""
+    name = f"rt-{uuid.uuid4().hex[:8]}"
+    plain = Queue(name, connection=redis_client)
+    gated = DedupQueue(name, connection=redis_client, dedup=Policy(ttl=60),
+                       dedup_store=RedisStore(redis.Redis.from_url(redis_url)))
+    plain.enqueue(rq_jobs.record, "warm", 0)
+    gated.enqueue(rq_jobs.record, "warm", 1)
+
+    with RoundTripCounter() as plain_sent:
+        plain.enqueue(rq_jobs.record, "rt", 1)
+    with RoundTripCounter() as gated_sent:
+        gated.enqueue(rq_jobs.record, "rt", 2)
     plain.empty()
 
     assert gated_sent.commands - plain_sent.commands == Counter({"EVALSHA": 1})
     assert plain_sent.commands - gated_sent.commands == Counter()
     assert gated_sent.round_trips == plain_sent.round_trips + 1
     assert gated_sent.shas == [SHA["reserve"]]
-    plain_server, gated_server = _delta(before, middle), _delta(middle, after)
-    assert plain_server["evalsha"] == 0
-    assert gated_server["evalsha"] == 1 and gated_server["eval"] == 0
 
 
 def test_benchmark_suite_runs_quick(redis_url: str, tmp_path: Path) -> None:

@@ -252,6 +252,43 @@ def test_celery_fused_publish_whose_reply_is_lost_leaves_one_message_and_the_ret
         app.close()
 
 
+@pytest.mark.parametrize("client_retries", [0, 3], ids=["no-client-retry", "client-retry"])
+def test_rq_one_round_trip_enqueue_whose_reply_is_lost_leaves_one_job_and_the_retry_gets_it(
+    rc: redis.Redis, proxy: Proxy, client_retries: int
+) -> None:
+    """With the locks in the queue's Redis, reserve + job write + push are one script. A lost
+    reply leaves the job queued *with* its reservation. Without client retries the caller
+    gets StoreUnavailableError and its own retry is answered with that job; with redis-py's
+    retries the script is sent again and recognises its own job: either way one job."""
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    client = redis.Redis(host="127.0.0.1", port=proxy.port,
+                         retry=Retry(NoBackoff(), client_retries))
+    run = uuid.uuid4().hex[:6]
+    q = DedupQueue(f"faults-rq-fused-{run}", connection=client, dedup=Policy(ttl=60))
+    try:
+        q.enqueue(fault_jobs.work, f"warm-up-{run}")  # connects, loads the script
+        for n in range(REPEAT):
+            proxy.cut_next_reply()
+            if client_retries:
+                job = q.enqueue(fault_jobs.work, f"order-{run}-{n}")
+                assert job is not None
+            else:
+                with pytest.raises(StoreUnavailableError):
+                    q.enqueue(fault_jobs.work, f"order-{run}-{n}")
+                job = q.enqueue(fault_jobs.work, f"order-{run}-{n}")  # the caller tries again
+                assert job is not None
+            ids = [i.decode() for i in rc.lrange(q.key, 0, -1)]
+            assert ids.count(job.id) == 1  # the retry got the job that was queued
+            assert len(ids) == n + 2  # warm-up + one job per order, never two
+        report(f"lost_reply_rq_fused_enqueue_{client_retries}_client_retries",
+               replies_cut=REPEAT, jobs=REPEAT, duplicates=0, phantoms=0)
+    finally:
+        rc.delete(q.key)
+        client.close()
+
+
 # -- end to end --------------------------------------------------------------------------------
 
 

@@ -485,6 +485,26 @@ def test_a_publish_failure_releases_the_reservation_before_the_error_reaches_the
     assert not rc.exists(key_of(q, rq_jobs.record, name))  # reserved, then released
 
 
+def test_a_one_round_trip_enqueue_whose_rq_command_fails_leaves_no_lock_and_says_why(
+    rc: redis.Redis,
+) -> None:
+    """Reserve + RQ's job write + push are one script: when one of RQ's commands fails there
+    (here the queue's key holds a string), the reservation made by that call is deleted and
+    the caller gets the error — no lock left to suppress the retry."""
+    q = DedupQueue(f"rq-wrongtype-{label()}", connection=rc, dedup=Policy(ttl=60))
+    name = label()
+    rc.set(q.key, "not a list")
+    try:
+        with pytest.raises(StoreUnavailableError, match="WRONGTYPE"):
+            q.enqueue(rq_jobs.record, name)
+        assert not rc.exists(key_of(q, rq_jobs.record, name))
+        rc.delete(q.key)
+        job = q.enqueue(rq_jobs.record, name)  # the retry is enqueued
+        assert job is not None and q.job_ids == [job.id]
+    finally:
+        rc.delete(q.key)
+
+
 # -- RQ's own job management -----------------------------------------------------------------
 
 

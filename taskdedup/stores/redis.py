@@ -50,7 +50,7 @@ except ImportError:  # pragma: no cover - redis[hiredis] is a dependency
     _hiredis_pack = None
 
 _SCRIPT_NAMES = (
-    "reserve", "replace", "claim", "heartbeat", "complete", "release", "get", "publish",
+    "reserve", "replace", "claim", "heartbeat", "complete", "release", "get", "enqueue",
 )
 
 
@@ -172,7 +172,6 @@ class RedisStore:
         self._complete = self._scripts["complete"]
         self._release = self._scripts["release"]
         self._get = self._scripts["get"]
-        self._publish = self._scripts["publish"]
         # Whether reserve_many may assume the server has the reserve script.
         self._bulk_ready = False
 
@@ -328,14 +327,12 @@ class RedisStore:
 
     # -- beyond the protocol ---------------------------------------------------------------
 
-    def reserve_and_push(
-        self, key: str, owner: str, ttl_ms: int, check: str, replace: bool, list_key: str,
-        payload: str | bytes,
-    ) -> LockResult:
-        """:func:`reserve_and_push` on this store's client."""
-        return reserve_and_push(
-            self.client, key, owner, ttl_ms, check, replace, list_key, payload
-        )
+    def reserve_and_run(
+        self, key: str, owner: str, ttl_ms: int, check: str, replace: bool,
+        commands: Sequence[Sequence[Any]], peek: str = "",
+    ) -> tuple[LockResult, list[Any] | None]:
+        """:func:`reserve_and_run` on this store's client."""
+        return reserve_and_run(self.client, key, owner, ttl_ms, check, replace, commands, peek)
 
     def reserve_many(self, items: Sequence[tuple[str, str, int, str]]) -> list[LockResult]:
         """:meth:`reserve` each ``(key, owner, ttl_ms, check)`` in one pipeline round trip.
@@ -466,40 +463,48 @@ class RedisStore:
         self.client.close()
 
 
-_PUBLISH_SHA = hashlib.sha1(SCRIPTS["publish"].encode()).hexdigest()
+_ENQUEUE_SHA = hashlib.sha1(SCRIPTS["enqueue"].encode()).hexdigest()
 
 
-def reserve_and_push(
+def reserve_and_run(
     client: redis.Redis, key: str, owner: str, ttl_ms: int, check: str, replace: bool,
-    list_key: str, payload: str | bytes,
-) -> LockResult:
+    commands: Sequence[Sequence[Any]], peek: str = "",
+) -> tuple[LockResult, list[Any] | None]:
     """Reserve ``key`` (or replace, as :meth:`RedisStore.replace`) and, when the gate lets the
-    call through, ``LPUSH list_key payload`` — atomically, in one round trip.
+    call through, run ``commands`` (the broker's own enqueue: a push, a job write) —
+    atomically, in one round trip (``enqueue.lua``).
 
-    For a broker on this very Redis (``taskdedup.celery.RedisTransport``, which calls it with
-    kombu's own client on every publish, so it keeps no per-client state): the message is
-    never queued without its reservation, nor reserved without being queued, and a duplicate
-    costs no push. Both keys must live on one server (not Cluster).
+    For a broker on this very Redis (Celery's ``RedisTransport``, RQ's ``DedupQueue``), called
+    with the broker's own client, so it keeps no per-client state: the job is never queued
+    without its reservation, nor reserved without being queued, and a duplicate writes
+    nothing. All keys must live on one server (not Cluster). With ``peek`` (a key prefix), a
+    duplicate's answer also carries ``HGETALL peek + holder`` as a flat list (empty when that
+    hash does not exist); otherwise the second item is None.
 
     Raises:
-        StoreUnavailableError: the script could not run (the redis error is chained).
+        StoreUnavailableError: the script could not run, or one of ``commands`` failed (then
+            nothing of this call's reservation is left); the redis error is chained.
     """
     check_owner(owner)
     check_ms("ttl_ms", ttl_ms)
     check_check(check)
-    args = (2, key, list_key, owner, ttl_ms, check, "1" if replace else "0", payload)
+    args: list[Any] = [1, key, owner, ttl_ms, check, "1" if replace else "0", peek]
+    for command in commands:
+        args.append(len(command))
+        args.extend(command)
     try:
         try:
             reply = client.execute_command(  # type: ignore[no-untyped-call]
-                "EVALSHA", _PUBLISH_SHA, *args, **_RAW
+                "EVALSHA", _ENQUEUE_SHA, *args, **_RAW
             )
         except NoScriptError:
             reply = client.execute_command(  # type: ignore[no-untyped-call]
-                "EVAL", SCRIPTS["publish"], *args, **_RAW
+                "EVAL", SCRIPTS["enqueue"], *args, **_RAW
             )
     except RedisError as exc:
         where = describe_client(client)
         raise StoreUnavailableError(
-            f"could not reserve {key!r} and publish to {list_key!r} at {where}: {exc}"
+            f"could not reserve {key!r} and enqueue at {where}: {type(exc).__name__}: {exc}"
         ) from exc
-    return _result(reply)
+    peeked = reply[3] if len(reply) > 3 else None
+    return _result(reply[:3]), peeked

@@ -25,7 +25,7 @@ local function parse(v)
 end
 
 -- gate(key, owner, ttl_ms, check, replace) -> {code, state or false, owner or false}
--- The enqueue gate shared by reserve.lua, replace.lua and publish.lua (their headers give the
+-- The enqueue gate shared by reserve.lua, replace.lua and enqueue.lua (their headers give the
 -- codes): absent -> Q(owner); the owner's own Q/R -> Q, expiry never shortened; done by the
 -- owner -> DUPLICATE; another owner -> MISMATCH (checks differ), REPLACED (replace and Q) or
 -- DUPLICATE.

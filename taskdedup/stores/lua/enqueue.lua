@@ -1,0 +1,57 @@
+-- enqueue: the enqueue gate and the framework's own enqueue commands in one script, one round
+-- trip (SPEC §10), for a broker on the same Redis: Celery's push (taskdedup.celery.
+-- RedisTransport) or RQ's job write + push (taskdedup.rq.DedupQueue).
+--
+-- KEYS[1]  the lock key of one task identity
+-- ARGV[1]  owner    the task / job id (compared as an exact string)
+-- ARGV[2]  ttl_ms   expiry of the reservation in milliseconds (> 0)
+-- ARGV[3]  check    "" or the 32-hex digest of the arguments (explicit idempotency keys)
+-- ARGV[4]  "1" for on_duplicate="replace", else "0"
+-- ARGV[5]  peek     "" or a key prefix of job hashes (RQ's "rq:job:"): on a duplicate the
+--                   reply also carries HGETALL of peek .. holder (the original job's handle);
+--                   and a call whose own job is already written and alive (a client retry
+--                   after a lost reply re-sends the same call) runs no command again
+-- ARGV[6…] the enqueue commands, each as its argument count then its arguments, run in order
+--          only when the gate lets the call through
+--
+-- The commands name keys of the broker (its queue, the job hash) that are not in KEYS: the
+-- broker is one Redis server (neither kombu's Redis transport nor RQ has a Cluster mode).
+-- Returns {code, state or false, owner or false, peeked hash or false}; the codes of
+-- reserve.lua / replace.lua. The commands run for 1 ACQUIRED and 6 REPLACED, never for
+-- 2 DUPLICATE or 3 MISMATCH: no moment where the job is queued without its reservation, or
+-- the other way. A command that fails deletes the reservation this call made and raises the
+-- error: the caller is told nothing was enqueued, and no lock is left behind.
+
+local DEAD = {finished = true, failed = true, stopped = true, canceled = true}
+
+local function written(owner)
+  if ARGV[5] == '' then return false end
+  local _, _, held_owner = parse(read(KEYS[1]))
+  if held_owner ~= owner then return false end
+  local status = redis.call('HGET', ARGV[5] .. owner, 'status')
+  return status ~= false and not DEAD[status]
+end
+
+if written(ARGV[1]) then
+  return {1, false, false}  -- this very call, sent again: the lock and the job are there
+end
+local result = gate(KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4] == '1')
+local code = result[1]
+if code == 1 or code == 6 then
+  local i = 6
+  while i <= #ARGV do
+    local n = tonumber(ARGV[i])
+    local reply = redis.pcall(unpack(ARGV, i + 1, i + n))
+    if type(reply) == 'table' and reply.err then
+      local _, _, owner = parse(redis.call('GET', KEYS[1]))
+      if owner == ARGV[1] then
+        redis.call('DEL', KEYS[1])
+      end
+      return redis.error_reply(reply.err)
+    end
+    i = i + n + 1
+  end
+elseif code == 2 and ARGV[5] ~= '' and result[3] then
+  result[4] = redis.call('HGETALL', ARGV[5] .. result[3])
+end
+return result
