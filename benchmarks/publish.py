@@ -16,11 +16,12 @@ import pstats
 import uuid
 from collections import defaultdict
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from rq import Queue
 
-from taskdedup.celery import get_deduplicator
+from taskdedup.celery import batch, get_deduplicator
 from taskdedup.core import Identity
 from taskdedup.rq import DedupQueue
 
@@ -33,6 +34,7 @@ __all__ = ["capture_message", "celery_publish", "gated_breakdown", "rq_enqueue"]
 PLAIN = "plain Celery apply_async"
 RQ_PLAIN = "plain RQ Queue.enqueue"
 FUSED = "taskdedup DedupTask + RedisTransport"
+BATCHED = "taskdedup DedupTask, the loop in batch()"
 RUN_ARG = "bench:publish|0"  # the fifth argument; no worker runs these
 DUP_ARGS = (7, 5000, "EUR", "ORD-duplicate", RUN_ARG)
 
@@ -52,7 +54,13 @@ def _celery_tasks() -> dict[str, tuple[Any, tuple[str, ...]]]:
     if apps.HAVE_SINGLETON:
         tasks["celery-singleton Singleton"] = (apps.charge_singleton, ("SINGLETONLOCK_*",))
     tasks[FUSED] = (apps.charge_fused, ("taskdedup:bench.*",))
+    tasks[BATCHED] = (apps.charge_dedup, ("taskdedup:bench.*",))
     return tasks
+
+
+def _block(label: str) -> AbstractContextManager[Any]:
+    """What the loop of calls runs in: ``batch()`` for the batched variant."""
+    return batch() if label == BATCHED else nullcontext()
 
 
 def capture_message(ctx: Context) -> None:
@@ -64,12 +72,14 @@ def capture_message(ctx: Context) -> None:
     ctx.client.delete(apps.PUBLISH_QUEUE)
 
 
-def _count(ctx: Context, call: Callable[[int], Any], k: int) -> tuple[float, dict[str, float],
-                                                                      dict[str, float]]:
+def _count(
+    ctx: Context, call: Callable[[int], Any], k: int, label: str = "",
+) -> tuple[float, dict[str, float], dict[str, float]]:
     """Round trips per call (client side), server commands per call, client commands."""
     with server_commands(ctx.client, k) as server, RoundTripCounter() as counter:
-        for i in range(k):
-            call(i)
+        with _block(label):
+            for i in range(k):
+                call(i)
     client = {name: round(n / k, 3) for name, n in sorted(counter.commands.items())}
     return counter.round_trips / k, server, client
 
@@ -105,8 +115,9 @@ def celery_publish(ctx: Context) -> list[Row]:
                 apply = task.apply_async
 
                 def body(count: int) -> None:
-                    for args in argv:
-                        apply(args)
+                    with _block(label):
+                        for args in argv:
+                            apply(args)
 
                 sample = rate(body, n)
                 published[label] = int(client.llen(queue))
@@ -125,7 +136,8 @@ def celery_publish(ctx: Context) -> list[Row]:
                 argv = [DUP_ARGS] * k
             else:
                 argv = _distinct(f"count-{uuid.uuid4().hex}", k)
-            rts, server, sent = _count(ctx, lambda i, t=task, a=argv: t.apply_async(a[i]), k)
+            rts, server, sent = _count(ctx, lambda i, t=task, a=argv: t.apply_async(a[i]), k,
+                                       label)
             expected = n if scenario == "distinct" or label == PLAIN else 1
             expected += 1 if scenario == "duplicate" and label == PLAIN else 0
             note = "" if published[label] == expected else (

@@ -24,6 +24,7 @@ __all__ = ["Bar", "bars", "machine", "print_bars", "print_table", "write_json"]
 
 ROOT = Path(__file__).resolve().parent.parent
 FUSED = "taskdedup DedupTask + RedisTransport"
+BATCHED = "taskdedup DedupTask, the loop in batch()"
 
 
 @dataclass
@@ -75,6 +76,9 @@ def bars(rows: list[Row], memory_keys: int) -> list[Bar]:
     fused_d = _find(rows, "celery publish (distinct)", "taskdedup DedupTask + RedisTransport")
     ratio_bar("Celery gated apply_async vs plain (distinct args), default transport", celery_d)
     ratio_bar("Celery gated apply_async vs plain (distinct args), RedisTransport", fused_d)
+    batched_d = _find(rows, "celery publish (distinct)", BATCHED)
+    ratio_bar("Celery gated apply_async vs plain (distinct args), a loop in batch()",
+              batched_d)
     ratio_bar("RQ gated enqueue vs plain (distinct args)", rq_d)
 
     def extra_rts(gated: Row | None, plain: Row | None) -> float | None:
@@ -85,6 +89,7 @@ def bars(rows: list[Row], memory_keys: int) -> list[Bar]:
 
     for label, gated, plain in (("Celery (default transport)", celery_d, plain_d),
                                 ("Celery (RedisTransport)", fused_d, plain_d),
+                                ("Celery (a loop in batch())", batched_d, plain_d),
                                 ("RQ", rq_d, rq_plain)):
         extra = extra_rts(gated, plain)
         measured = "not measured" if extra is None else (

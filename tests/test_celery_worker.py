@@ -86,6 +86,22 @@ def test_duplicate_delay_returns_the_original_and_runs_once(capp: Any, rc: redis
     assert capp.record.delay(name).id == results[0].id
 
 
+def test_a_batch_with_duplicates_runs_each_identity_once(capp: Any, rc: redis.Redis) -> None:
+    """``taskdedup.celery.batch``: ten calls, three of them duplicates, reserved in one
+    pipeline → seven messages, seven executions."""
+    from taskdedup.celery import batch
+
+    name = label()
+    with batch() as done:
+        for n in [1, 2, 3, 1, 4, 5, 2, 6, 7, 3]:
+            capp.record.delay(name, n)
+    ids = {r.id for r in done.results}
+    assert len(ids) == 7
+    for task_id in ids:
+        assert final_state(rc, task_id) == "SUCCESS"
+    assert sorted(effects(rc, name)) == [str(n) for n in range(1, 8)]
+
+
 def _enqueue_same(url: str, name: str, barrier: Any, out: Any) -> None:
     import os
 

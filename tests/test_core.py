@@ -26,7 +26,7 @@ from taskdedup import (
     RedisStore,
     StoreUnavailableError,
 )
-from taskdedup.core import Identity, Verdict
+from taskdedup.core import GateCall, GateResult, Identity, Verdict
 from taskdedup.identity import fingerprint
 from taskdedup.stores.base import LockInfo, LockResult, LockState, Outcome
 from taskdedup.testing import wait_for
@@ -318,6 +318,43 @@ def test_gate_replace_does_not_displace_a_running_owner(
     info = store.get(identity.key)
     assert info is not None and info.owner == A
     dedup.finish(TASK, p, identity.key, A, success=True)
+
+
+def test_gate_many_answers_each_call_in_order_as_gate_would(
+    dedup: Deduplicator, store: MemoryStore, rec: Recorder
+) -> None:
+    """One reserve_many for the plain calls; replace calls one by one; a mismatch is an
+    answer of its own, not an exception that loses the others."""
+    p, replace = Policy(), Policy(on_duplicate="replace")
+    keyed = dedup.identity(TASK, p, (1,), dedup_key="K")
+    dedup.gate(TASK, p, ident(dedup, p, 1), A)
+    dedup.gate(TASK, p, dedup.identity(TASK, p, (2,), dedup_key="K"), A)
+    dedup.gate(TASK, replace, ident(dedup, replace, 3), A)
+    calls = [
+        GateCall(TASK, p, ident(dedup, p, 1), B, 60_000),  # held by A
+        GateCall(TASK, p, ident(dedup, p, 2), B, 60_000),  # fresh
+        GateCall(TASK, p, keyed, B, 60_000),  # the key again with other arguments
+        GateCall(TASK, replace, ident(dedup, replace, 3), B, 60_000),
+    ]
+    answers = dedup.gate_many(calls)
+    assert isinstance(answers[0], GateResult) and answers[0].verdict is Verdict.DUPLICATE
+    assert answers[0].existing_id == A
+    assert isinstance(answers[1], GateResult) and answers[1].verdict is Verdict.ACCEPTED
+    assert isinstance(answers[2], IdempotencyKeyMismatch)
+    assert isinstance(answers[3], GateResult) and answers[3].verdict is Verdict.REPLACED
+    info = store.get(ident(dedup, p, 2).key)
+    assert info is not None and info.owner == B
+    assert len(rec.of(Event.RESERVED)) == 3 + 1
+
+
+def test_gate_many_with_the_store_down_applies_on_store_error_per_call() -> None:
+    dedup = Deduplicator(DownStore())
+    strict, lenient = Policy(), Policy(on_store_error="allow")
+    calls = [GateCall(TASK, policy, Identity(f"taskdedup:{TASK}:{n}"), B, 60_000)
+             for n, policy in enumerate([strict, lenient])]
+    answers = dedup.gate_many(calls)
+    assert isinstance(answers[0], StoreUnavailableError)
+    assert isinstance(answers[1], GateResult) and answers[1].verdict is Verdict.UNGUARDED
 
 
 def test_gate_dedup_key_reused_with_other_arguments_raises_mismatch(
