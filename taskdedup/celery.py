@@ -49,6 +49,10 @@ _STATE_ATTR = "_taskdedup"  # on the request: the claimed lock key, or _SKIPPED
 _SKIPPED = "skipped"
 _CALLBACK_OPTIONS = ("link", "link_error", "chain", "chord", "group_id")
 _STORE_RETRY_COUNTDOWN = 5.0
+# RedisTransport: check first (a separate reserve) while more than half of the recent calls
+# of a task were duplicates; the average weighs the last ~10 calls.
+_CHECK_FIRST_ABOVE = 0.5
+_RATE_WEIGHT = 0.1
 _CALL_FIELDS = frozenset({"on_duplicate", "on_store_error"})
 _POLICY_FIELDS = ("mode", "ttl", "lease", "include", "exclude", "key", "scope")
 
@@ -72,6 +76,7 @@ class DedupTask(Task):  # type: ignore[misc]
 
     dedup: Policy | Mapping[str, Any] | bool | None = None
     _dedup_policy: Policy | None = Policy()
+    _dedup_duplicate_rate: float = 0.0
     _dedup_func: Callable[..., Any] | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -133,23 +138,48 @@ class DedupTask(Task):  # type: ignore[misc]
         ttl_ms = _reservation_ttl_ms(policy, options)
         eager = self.app.conf.task_always_eager
         pending = _BATCH.get()
-        if _fuses(self.app) and not eager:
-            handle = self._publish_fused(policy, identity, task_id, ttl_ms, publish, headers,
-                                         link, link_error, options)
-            if pending is not None:  # already one round trip: published at once, recorded
-                pending.results.append(handle)
-            return handle
+        if _fuses(self.app) and not eager and self._dedup_duplicate_rate < _CHECK_FIRST_ABOVE:
+            with self.app.producer_or_acquire(producer) as acquired:
+                def publish_on(task_id: str | None, headers: dict[str, Any] | None) -> Any:
+                    return publish(task_id, headers, acquired)
+
+                if isinstance(acquired.connection.transport, RedisTransport):
+                    handle = self._publish_fused(policy, identity, task_id, ttl_ms, publish_on,
+                                                 headers, link, link_error, options)
+                    if pending is not None:  # already one round trip: published, recorded
+                        pending.results.append(handle)
+                    return handle
+                # A connection made before the transport was chosen (a producer pool created
+                # by an earlier plain publish): the gate is its own round trip.
+                if pending is None:
+                    return self._gate_and_publish(
+                        policy, identity, task_id, ttl_ms,
+                        lambda task_id: publish(task_id, headers, acquired),
+                        link, link_error, options,
+                    )
         if pending is not None and not eager:
             return pending.defer(_Deferred(self, policy, identity, task_id, ttl_ms, publish,
                                            headers, link, link_error, options))
+        return self._gate_and_publish(policy, identity, task_id, ttl_ms,
+                                      lambda task_id: publish(task_id, headers),
+                                      link, link_error, options)
+
+    def _gate_and_publish(
+        self, policy: Policy, identity: Identity, task_id: str, ttl_ms: int,
+        publish: Callable[[str], Any], link: Any, link_error: Any, options: Mapping[str, Any],
+    ) -> Any:
+        """Reserve (one round trip), then publish what the gate let through; a failed
+        publish releases the reservation before the error reaches the caller."""
+        dedup = get_deduplicator(self.app)
         result = dedup.gate(self.name, policy, identity, task_id, ttl_ms=ttl_ms)
+        self._note_outcome(result.verdict is Verdict.DUPLICATE)
         if result.verdict is Verdict.DUPLICATE:
             return self._on_duplicate(policy, identity.key, result.existing_id, link, link_error,
                                       options)
         if result.verdict is Verdict.REPLACED and result.existing_id:
             self._revoke(result.existing_id)
         try:
-            return publish(task_id, headers)
+            return publish(task_id)
         except BaseException:
             if result.verdict is not Verdict.UNGUARDED:
                 dedup.release(self.name, identity.key, task_id, reason="publish_failed")
@@ -169,14 +199,15 @@ class DedupTask(Task):  # type: ignore[misc]
             handle = publish(task_id, headers)
         finally:
             _FUSED.reset(token)
-        if fused.result is None:  # the transport did not see this message: nothing reserved
+        if fused.result is None:  # cannot happen on RedisTransport: say so rather than guess
             raise ConfigurationError(
-                f"{self.name}: taskdedup.celery:RedisTransport did not publish task {task_id}; "
-                "is the broker a redis:// URL?"
+                f"{self.name}: taskdedup.celery:RedisTransport did not see task {task_id}, "
+                "which was published without its reservation"
             )
         dedup = get_deduplicator(self.app)
         result = dedup.verdict(self.name, identity, task_id, fused.result,
                                time.perf_counter() - started)
+        self._note_outcome(result.verdict is Verdict.DUPLICATE)
         if result.verdict is Verdict.DUPLICATE:
             _forget_pending(self, task_id)  # it was never sent
             return self._on_duplicate(policy, identity.key, result.existing_id, link,
@@ -184,6 +215,17 @@ class DedupTask(Task):  # type: ignore[misc]
         if result.verdict is Verdict.REPLACED and result.existing_id:
             self._revoke(result.existing_id)
         return handle
+
+    def _note_outcome(self, duplicate: bool) -> None:
+        """Track this task's recent duplicate rate (an exponential moving average).
+
+        With ``RedisTransport`` a call costs a whole message build before the script can say
+        it is a duplicate; when most recent calls were duplicates (webhook retries), checking
+        first (one EVALSHA, then the publish only for the accepted ones) is cheaper. The rate
+        is only a choice between two correct paths, so racing updates do no harm.
+        """
+        rate = self._dedup_duplicate_rate * (1 - _RATE_WEIGHT)
+        self._dedup_duplicate_rate = rate + _RATE_WEIGHT if duplicate else rate
 
     def _call_policy(self, override: Any) -> Policy | None:
         """The task's policy, with a per-call ``dedup=`` applied.
@@ -474,18 +516,33 @@ class RedisTransport(kombu_redis.Transport):
 
 
 _PUSHED = (Outcome.ACQUIRED, Outcome.REPLACED)
+TRANSPORT = "taskdedup.celery:RedisTransport"
+"""``broker_transport`` of :class:`RedisTransport`."""
 
 
 def _fuses(app: Celery) -> bool:
-    """Whether this app's gated publishes reserve inside the broker's push."""
+    """Whether this app's gated publishes reserve inside the broker's push.
+
+    Yes with ``RedisTransport`` and the locks in the broker's Redis. Chosen automatically, on
+    the first gated publish, for an app whose broker is one ``redis://`` URL, with no transport,
+    no separate write broker and no lock store of its own configured — unless
+    ``taskdedup_fused_publish`` is False. A connection made before that (a producer pool of an
+    earlier plain publish) keeps kombu's transport; :meth:`DedupTask.apply_async` checks.
+    """
     cached: bool | None = app.__dict__.get("_taskdedup_fuses")
     if cached is None:
         conf = app.conf
-        transport = conf.broker_transport
-        ours = transport is RedisTransport or transport == "taskdedup.celery:RedisTransport"
         own_store = conf.get("taskdedup_store") is not None or bool(
             conf.get("taskdedup_url") or os.environ.get("TASKDEDUP_URL")
         )
+        transport = conf.broker_transport
+        ours = transport is RedisTransport or transport == TRANSPORT
+        url = conf.broker_url
+        if (transport is None and not own_store and conf.get("taskdedup_fused_publish", True)
+                and isinstance(url, str) and url.startswith("redis://") and ";" not in url
+                and conf.broker_write_url in (None, url)):
+            conf.broker_transport = TRANSPORT
+            ours = True
         cached = app.__dict__["_taskdedup_fuses"] = bool(ours and not own_store)
     return cached
 

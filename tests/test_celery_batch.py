@@ -25,8 +25,10 @@ from taskdedup.testing import free_port
 @pytest.fixture
 def app(redis_url: str) -> Iterator[Celery]:
     app = Celery("batch", broker=redis_url, set_as_current=False)
+    # Locks configured apart from the broker: each gated call is its own reservation round
+    # trip, which batch() pipelines (with the locks in the broker, RedisTransport is used).
     app.conf.update(task_default_queue=f"batch-{uuid.uuid4().hex[:8]}", task_ignore_result=True,
-                    taskdedup_stats=False)
+                    taskdedup_url=redis_url, taskdedup_stats=False)
     yield app
     redis.Redis.from_url(redis_url).delete(app.conf.task_default_queue)
     app.close()

@@ -3,6 +3,7 @@ script, one round trip), on a real Redis and with a real worker."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Any
 
@@ -11,7 +12,7 @@ import redis
 from celery import Celery
 
 from taskdedup import DuplicateTaskError, IdempotencyKeyMismatch, Policy
-from taskdedup.celery import DedupTask, RedisTransport, _fuses, get_deduplicator
+from taskdedup.celery import TRANSPORT, DedupTask, RedisTransport, _fuses, get_deduplicator
 from taskdedup.testing import wait_for
 from tests.workers import CeleryWorker
 
@@ -50,11 +51,77 @@ class CommandCounter:
 
 def test_the_transport_is_used_only_when_the_locks_live_in_the_broker(redis_url: str) -> None:
     assert _fuses(fused_app(redis_url))
-    assert _fuses(Celery("x", broker=redis_url, set_as_current=False)) is False
     assert _fuses(fused_app(redis_url, taskdedup_url=redis_url)) is False  # a store of its own
     app = Celery("y", broker=redis_url, set_as_current=False)
     app.conf.broker_transport = RedisTransport
     assert _fuses(app)
+
+
+def test_the_transport_is_chosen_automatically_for_a_plain_redis_broker(redis_url: str) -> None:
+    """SPEC §10: no extra round trip where the broker is the same Redis — by default."""
+    auto = Celery("auto", broker=redis_url, set_as_current=False)
+    assert _fuses(auto) and auto.conf.broker_transport == TRANSPORT
+    kept: list[tuple[dict[str, Any], Any]] = [
+        ({"taskdedup_fused_publish": False}, None),  # opted out
+        ({"taskdedup_url": redis_url}, None),  # the locks live elsewhere
+        ({"broker_transport": "redis"}, "redis"),  # the user chose a transport
+        ({"broker_write_url": redis_url + "1"}, None),  # a separate write broker
+    ]
+    for conf, transport in kept:
+        app = Celery("kept", broker=redis_url, set_as_current=False)
+        app.conf.update(conf)
+        assert _fuses(app) is False, conf
+        assert app.conf.broker_transport == transport, conf
+    amqp = Celery("amqp", broker="amqp://guest@127.0.0.1//", set_as_current=False)
+    assert _fuses(amqp) is False and amqp.conf.broker_transport is None
+
+
+def test_a_connection_made_before_the_transport_was_chosen_gates_in_two_round_trips(
+    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A producer pool created by an earlier plain publish keeps kombu's transport: the gated
+    publish checks the connection it got and reserves in its own round trip — never a
+    message without its reservation."""
+    queue = f"late-{uuid.uuid4().hex[:8]}"
+    app = Celery("late", broker=redis_url, set_as_current=False)
+    app.conf.update(task_default_queue=queue, task_ignore_result=True, taskdedup_stats=False)
+
+    def identity(x: int) -> int:
+        return x
+
+    plain = app.task(name="late.plain", shared=False)(identity)
+    task = declare(app, "late.gated")
+    try:
+        plain.delay(0)  # the producer pool is made now, with kombu's own transport
+        task.delay(0)  # loads the reserve script
+        assert app.conf.broker_transport == TRANSPORT  # chosen, but too late for this pool
+        counter = CommandCounter(monkeypatch)
+        first = task.delay(1)
+        assert counter.commands == ["EVALSHA", "LPUSH"]
+        assert task.delay(1).id == first.id
+        assert redis_client.llen(queue) == 3  # the plain task and the two gated ones
+    finally:
+        redis_client.delete(queue)
+        app.close()
+
+
+def test_a_fresh_app_on_a_redis_broker_publishes_gated_tasks_in_one_round_trip(
+    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    queue = f"auto-{uuid.uuid4().hex[:8]}"
+    app = Celery("auto", broker=redis_url, set_as_current=False)
+    app.conf.update(task_default_queue=queue, task_ignore_result=True, taskdedup_stats=False)
+    task = declare(app, "auto.gated")
+    try:
+        task.delay(0)  # connects
+        counter = CommandCounter(monkeypatch)
+        first = task.delay(1)
+        assert counter.commands == ["EVALSHA"]
+        assert task.delay(1).id == first.id
+        assert redis_client.llen(queue) == 2
+    finally:
+        redis_client.delete(queue)
+        app.close()
 
 
 def test_a_gated_publish_is_one_round_trip_and_a_duplicate_pushes_nothing(
@@ -73,6 +140,48 @@ def test_a_gated_publish_is_one_round_trip_and_a_duplicate_pushes_nothing(
     key = get_deduplicator(app).identity("fused.one", task._dedup_policy, (1,), {},
                                          func=task._func()).key
     assert redis_client.get(key) == f"Q||{first.id}".encode()
+
+
+def test_a_task_whose_recent_calls_are_mostly_duplicates_checks_before_building_a_message(
+    app: Celery, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through the transport a duplicate costs a whole message build; once most recent calls
+    of a task were duplicates, the gate checks first (no message is built for a duplicate),
+    and it goes back to the one-round-trip publish as accepted calls come back."""
+    from celery import signals
+
+    task = declare(app, "fused.mostly-duplicates")
+    built: list[str] = []
+
+    def count(headers: dict[str, Any] | None = None, **_: Any) -> None:
+        built.append(str((headers or {}).get("id")))
+
+    signals.before_task_publish.connect(count, weak=False)
+    try:
+        original = task.delay("hot")
+        duplicates = 0
+        while task._dedup_duplicate_rate <= 0.5:
+            assert task.delay("hot").id == original.id
+            duplicates += 1
+        assert duplicates == 7  # 1 - 0.9 ** 7 > 0.5: about the last ten calls decide
+        assert len(built) == 1 + duplicates  # each built its message before the script said no
+        counter = CommandCounter(monkeypatch)
+        assert task.delay("hot").id == original.id
+        assert len(built) == 1 + duplicates  # checked first: no message built
+        assert counter.commands == ["EVALSHA"]
+        counter.commands.clear()
+        fresh = []
+        while task._dedup_duplicate_rate >= 0.5:
+            fresh.append(task.delay(f"cold-{len(fresh)}"))  # accepted: reserve, then LPUSH
+        assert counter.commands == ["EVALSHA", "LPUSH"] * len(fresh)
+        assert 1 <= len(fresh) <= 3
+        counter.commands.clear()
+        task.delay("cold-again")
+        assert counter.commands == ["EVALSHA"]  # one round trip again
+        queued = {json.loads(m)["headers"]["id"] for m in redis_client.lrange("fused", 0, -1)}
+        assert {original.id, *(f.id for f in fresh)} <= queued
+    finally:
+        signals.before_task_publish.disconnect(count)
 
 
 def test_raise_mismatch_and_replace_through_the_transport(
