@@ -715,7 +715,63 @@ class DedupWorker(Worker):
             return self._perform_guarded(job, queue, execution)
         finally:
             if os.getpid() != self._dedup_pid:  # a work-horse ends with os._exit: no atexit
-                stats.flush_all()
+                self._hand_stats_to_worker()
+
+    # -- the horse's counters go to the worker process, not to Redis -----------------------
+
+    def fork_work_horse(self, job: Job, queue: Queue) -> None:
+        """RQ's fork, with a pipe over which the horse hands its counters back."""
+        read_end, write_end = os.pipe()
+        os.set_blocking(read_end, False)
+        self._stats_pipe: int | None = write_end
+        try:
+            super().fork_work_horse(job, queue)  # the horse never returns from here
+        finally:
+            os.close(write_end)
+            self._stats_pipe = None
+        self._stats_read: int | None = read_end
+
+    def monitor_work_horse(self, job: Job, queue: Queue, execution: Execution) -> None:
+        """RQ's monitoring; then the horse's counters join this process's (flushed with its
+        own every few seconds: no stats round trip per job)."""
+        try:
+            super().monitor_work_horse(job, queue, execution)
+        finally:
+            self._take_stats_from_horse()
+
+    def _hand_stats_to_worker(self) -> None:
+        fd = getattr(self, "_stats_pipe", None)
+        payload = stats.hand_over() if fd is not None else None
+        try:
+            if payload:
+                os.write(fd, payload)  # type: ignore[arg-type]  # an empty pipe takes 32 KB
+        except OSError:
+            stats.take_over(payload)  # type: ignore[arg-type]  # back to this process's recorders
+            payload = None
+        finally:
+            if fd is not None:
+                os.close(fd)
+        if payload is None:
+            stats.flush_all()
+
+    def _take_stats_from_horse(self) -> None:
+        fd = getattr(self, "_stats_read", None)
+        if fd is None:
+            return
+        self._stats_read = None
+        chunks = []
+        try:
+            while True:  # non-blocking: whatever the horse wrote before it ended
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+        except BlockingIOError:  # a grandchild still holds the write end: no EOF, all read
+            pass
+        finally:
+            os.close(fd)
+        if chunks:
+            stats.take_over(b"".join(chunks))
 
     def _perform_guarded(self, job: Job, queue: Queue, execution: Execution) -> bool:
         guard = _guard_of(job)

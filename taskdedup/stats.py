@@ -28,6 +28,7 @@ the parent's pending deltas stay the parent's to flush.
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import re
 import threading
@@ -55,8 +56,10 @@ __all__ = [
     "TaskStats",
     "attach",
     "flush_all",
+    "hand_over",
     "read_stats",
     "stats_key",
+    "take_over",
 ]
 
 DEFAULT_INTERVAL: Final = 5.0
@@ -291,6 +294,58 @@ def flush_all() -> bool:
         if recorder._pid == os.getpid():
             ok = recorder.flush() and ok
     return ok
+
+
+def hand_over(limit: int = 32_768) -> bytes | None:
+    """Take this process's pending deltas out, encoded for the parent process (:func:`take_over`).
+
+    For a process that ends right after one piece of work, as an RQ work-horse does: handing
+    its counts to the long-lived parent over a pipe costs no Redis round trip. Recorders are
+    named by ``id()``, which is the same in a forked child as in its parent. Returns None,
+    and takes nothing, when the encoded deltas exceed ``limit`` bytes (a pipe that nobody
+    reads yet must not fill up): flush them instead.
+    """
+    taken: list[tuple[StatsRecorder, dict[str, Counter[str]]]] = []
+    for recorder in list(_RECORDERS):
+        if recorder._pid == os.getpid():
+            with recorder._lock:
+                batch, recorder._pending = recorder._pending, {}
+            taken.append((recorder, batch))
+    entries = [
+        [id(recorder), task, name, n]
+        for recorder, batch in taken for task, counts in batch.items()
+        for name, n in counts.items() if n
+    ]
+    payload = json.dumps(entries, separators=(",", ":")).encode()
+    if len(payload) <= limit:
+        return payload
+    for recorder, batch in taken:  # too much for the pipe: give it back
+        recorder._restore((task, name, n) for task, counts in batch.items()
+                          for name, n in counts.items())
+    return None
+
+
+def take_over(payload: bytes) -> bool:
+    """Add deltas handed over by a forked child (:func:`hand_over`) to this process's
+    recorders; they go out with this process's next flush. True when every entry found its
+    recorder (one created in the child after the fork has no counterpart here). Never raises
+    for a malformed payload: it is logged and dropped (counters are statistics)."""
+    by_id = {id(recorder): recorder for recorder in _RECORDERS if recorder._pid == os.getpid()}
+    try:
+        entries = [(int(r), str(t), str(f), int(n)) for r, t, f, n in json.loads(payload)]
+    except (ValueError, TypeError) as exc:
+        logger.warning("taskdedup: dropped unreadable stats from a child process: %s", exc)
+        return False
+    complete = True
+    for recorder_id, task, name, n in entries:
+        recorder = by_id.get(recorder_id)
+        if recorder is None:
+            complete = False
+            continue
+        recorder._restore([(task, name, n)])
+        if recorder._thread is None:
+            recorder._start_thread()
+    return complete
 
 
 def _flush_at_exit() -> None:

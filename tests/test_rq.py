@@ -115,6 +115,23 @@ def test_duplicate_enqueue_returns_the_original_job_and_runs_once(
     assert again is not None and again.id == first.id
 
 
+def test_work_horses_hand_their_counts_to_the_worker_process_which_flushes_them(
+    workers: list[RqWorker], q: DedupQueue, rc: redis.Redis
+) -> None:
+    """A forked horse ends with os._exit; its counters travel to the worker over a pipe and
+    reach Redis with the worker's periodic flush (no stats round trip per job)."""
+    jobs = [q.enqueue(rq_jobs.counted, label()) for _ in range(3)]
+    assert all(job is not None and ended(job) == "finished" for job in jobs)
+    key = "taskdedup:stats:tests.rq_jobs.counted"
+
+    def counts() -> dict[str, int]:
+        return {k.decode(): int(v) for k, v in rc.hgetall(key).items()}
+
+    wait_for(lambda: counts().get("completed") == 3, timeout=30,
+             what="the workers' flush of their horses' counts")
+    assert counts()["claimed"] == 3
+
+
 def _enqueue_same(url: str, queue: str, name: str, barrier: Any, out: Any) -> None:
     client = redis.Redis.from_url(url)
     dq = DedupQueue(queue, connection=client, dedup=Policy(ttl=60))

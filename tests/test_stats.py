@@ -20,8 +20,10 @@ from taskdedup.stats import (
     TaskStats,
     attach,
     flush_all,
+    hand_over,
     read_stats,
     stats_key,
+    take_over,
 )
 from taskdedup.stores import RedisStore
 from taskdedup.testing import RedisServer, free_port, wait_for
@@ -256,6 +258,50 @@ def test_forked_child_starts_from_zero_and_flushes_only_its_own_counts(
     assert rec.flush() is True
     assert fields(redis_client, "app.a") == {"reserved": 4}  # the parent's 3: counted once
     rec.close(flush=False)
+
+
+def test_a_forked_child_hands_its_counts_to_the_parent_without_writing_to_redis(
+    redis_client: redis.Redis,
+) -> None:
+    """What an RQ work-horse does: its deltas go over a pipe and out with the parent's flush."""
+    rec = StatsRecorder(redis_client, interval=NEVER)
+    rec(ev(Event.RESERVED))  # the parent's own
+    read_end, write_end = os.pipe()
+    before = redis_client.info("commandstats").get("cmdstat_hincrby", {}).get("calls", 0)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            rec(ev(Event.CLAIMED, task="app.child"))
+            rec(ev(Event.COMPLETED, task="app.child"))
+            payload = hand_over()
+            code = 0 if payload and rec.pending() == {} and os.write(write_end, payload) else 3
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    after = redis_client.info("commandstats").get("cmdstat_hincrby", {}).get("calls", 0)
+    assert after == before  # the child wrote nothing
+    with os.fdopen(read_end, "rb") as pipe:
+        assert take_over(pipe.read()) is True
+    assert rec.pending() == {"app.a": {"reserved": 1}, "app.child": {"claimed": 1, "completed": 1}}
+    assert rec.flush() is True
+    assert fields(redis_client, "app.child") == {"claimed": 1, "completed": 1}
+    rec.close(flush=False)
+
+
+def test_hand_over_keeps_what_does_not_fit_and_take_over_drops_garbage(
+    recorder: StatsRecorder, caplog: pytest.LogCaptureFixture
+) -> None:
+    for n in range(50):
+        recorder(ev(Event.RESERVED, task=f"app.t{n}"))
+    assert hand_over(limit=100) is None
+    assert len(recorder.pending()) == 50  # nothing was taken
+    with caplog.at_level(logging.WARNING, logger="taskdedup"):
+        assert take_over(b"not json") is False
+    assert "unreadable stats" in caplog.text
+    assert take_over(b'[[1, "app.x", "reserved", 1]]') is False  # no such recorder here
 
 
 def test_pending_deltas_are_flushed_at_interpreter_exit(redis_url: str,
