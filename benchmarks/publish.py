@@ -33,8 +33,11 @@ __all__ = ["capture_message", "celery_publish", "gated_breakdown", "rq_enqueue"]
 
 PLAIN = "plain Celery apply_async"
 RQ_PLAIN = "plain RQ Queue.enqueue"
-FUSED = "taskdedup DedupTask + RedisTransport"
-BATCHED = "taskdedup DedupTask, the loop in batch()"
+SEPARATE = "taskdedup DedupTask, gate in its own round trip"
+"""Locks configured apart from the broker (``taskdedup_url``): reserve, then publish."""
+FUSED = "taskdedup DedupTask, reserve inside the push (default)"
+"""A ``redis://`` broker holding the locks: ``RedisTransport``, one script per publish."""
+BATCHED = "taskdedup DedupTask, own round trip, loop in batch()"
 RUN_ARG = "bench:publish|0"  # the fifth argument; no worker runs these
 DUP_ARGS = (7, 5000, "EUR", "ORD-duplicate", RUN_ARG)
 
@@ -47,7 +50,7 @@ def _celery_tasks() -> dict[str, tuple[Any, tuple[str, ...]]]:
     """Label → (task, key patterns of its locks)."""
     tasks: dict[str, tuple[Any, tuple[str, ...]]] = {
         PLAIN: (apps.charge_plain, ()),
-        "taskdedup DedupTask": (apps.charge_dedup, ("taskdedup:bench.*",)),
+        SEPARATE: (apps.charge_dedup, ("taskdedup:bench.*",)),
     }
     if apps.HAVE_ONCE:
         tasks["celery-once QueueOnce"] = (apps.charge_once, ("qo_bench.*",))

@@ -206,5 +206,5 @@ def test_benchmark_suite_runs_quick(redis_url: str, tmp_path: Path) -> None:
     } <= sections
     assert data["bars"] and data["machine"]["nproc"]
     gated = [r for r in data["rows"] if r["section"] == "celery publish (distinct)"
-             and r["name"] == "taskdedup DedupTask"]
+             and r["name"] == "taskdedup DedupTask, gate in its own round trip"]
     assert gated and gated[0]["round_trips"] == 2.0
