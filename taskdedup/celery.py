@@ -481,6 +481,21 @@ _FUSED: ContextVar[_Fused | None] = ContextVar("taskdedup_fused", default=None)
 class _Channel(kombu_redis.Channel):
     """kombu's Redis channel, whose push also reserves the identity, in one Lua script."""
 
+    _taskdedup_client: redis.Redis | None = None
+
+    def _publisher(self) -> redis.Redis:
+        """One client over the channel's pool for the fused pushes.
+
+        kombu builds a new ``redis.Redis`` for every push (``conn_or_acquire``), which costs
+        more than the round trip on a fast server; a client over a pool is thread-safe, so one
+        per channel does, made again if the channel replaced its pool (after a reconnect).
+        """
+        client = self._taskdedup_client
+        pool = self.pool
+        if client is None or client.connection_pool is not pool:
+            client = self._taskdedup_client = redis.Redis(connection_pool=pool)
+        return client
+
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
         fused = _FUSED.get()
         headers = message.get("headers") or {}
@@ -489,12 +504,12 @@ class _Channel(kombu_redis.Channel):
             return
         kwargs.pop("_publish_batch", None)  # this message cannot wait for a batch
         priority = self._get_message_priority(message, reverse=False)  # type: ignore[no-untyped-call]
-        list_key = self._q_for_pri(queue, priority)  # type: ignore[no-untyped-call]
-        with self.conn_or_acquire() as client:
-            fused.result, _ = reserve_and_run(
-                client, fused.key, fused.owner, fused.ttl_ms, fused.check, fused.replace,
-                [("LPUSH", list_key, json_dumps(message))],  # type: ignore[no-untyped-call]
-            )
+        # kombu's client prefixes the keys of the commands it knows; inside a script it cannot.
+        list_key = self.global_keyprefix + self._q_for_pri(queue, priority)  # type: ignore[no-untyped-call]
+        fused.result, _ = reserve_and_run(
+            self._publisher(), fused.key, fused.owner, fused.ttl_ms, fused.check,
+            fused.replace, [("LPUSH", list_key, json_dumps(message))],  # type: ignore[no-untyped-call]
+        )
         if self._expires and queue in self._expires and fused.result.outcome in _PUSHED:
             with self.conn_or_acquire() as client:
                 for step in self.priority_steps:

@@ -142,6 +142,29 @@ def test_a_gated_publish_is_one_round_trip_and_a_duplicate_pushes_nothing(
     assert redis_client.get(key) == f"Q||{first.id}".encode()
 
 
+def test_a_global_key_prefix_applies_to_the_fused_push(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    """kombu's ``global_keyprefix`` is applied by its client to the commands it knows, not
+    inside a script: the fused push must prefix the queue itself, or the message would land
+    where no worker looks."""
+    queue = f"prefixed-{uuid.uuid4().hex[:8]}"
+    app = fused_app(redis_url, task_default_queue=queue, task_ignore_result=True,
+                    broker_transport_options={"global_keyprefix": "pfx:"})
+    task = declare(app, "fused.prefixed")
+    try:
+        first = task.delay(1)
+        assert task.delay(1).id == first.id
+        assert redis_client.llen(f"pfx:{queue}") == 1
+        assert redis_client.exists(queue) == 0
+        with app.connection_for_read() as conn:  # what a worker reads: kombu's own prefix
+            message = conn.SimpleQueue(queue, no_ack=True).get(timeout=5)
+        assert message.headers["id"] == first.id
+    finally:
+        redis_client.delete(f"pfx:{queue}", queue)
+        app.close()
+
+
 def test_a_task_whose_recent_calls_are_mostly_duplicates_checks_before_building_a_message(
     app: Celery, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
