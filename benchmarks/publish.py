@@ -231,11 +231,12 @@ def rq_enqueue(ctx: Context) -> list[Row]:
 
 
 def _parts(ctx: Context, section: str, key_of: Callable[[Any], str],
-           gate: Callable[[str, str], Any], plain: Callable[[Any], Any],
+           gate: Callable[[str, str], Any] | None, plain: Callable[[Any], Any],
            gated: Callable[[Any], Any], reset: Callable[[], None]) -> list[Row]:
     """Time per call of each part of a gated enqueue, interleaved: identity (``key_of``),
-    the reserve round trip (``gate``), the framework's own enqueue (``plain``), the whole
-    gated call (``gated``); and what is left, the integration's wrapper."""
+    the reserve round trip (``gate``; None where the reservation rides in the framework's
+    own round trip), the framework's own enqueue (``plain``), the whole gated call
+    (``gated``); and what is left, the integration's wrapper."""
     n = max(2, ctx.sizes.publish // 2)
 
     def timed(prepare: Callable[[int], Callable[[], None]]) -> Callable[[int], float]:
@@ -277,18 +278,23 @@ def _parts(ctx: Context, section: str, key_of: Callable[[Any], str],
 
         return prepare
 
-    parts = {
-        "identity: Deduplicator.identity (fingerprint + key)": timed(identity_part),
-        "reserve: Deduplicator.gate (one EVALSHA)": timed(gate_part),
-        "plain enqueue (the framework's own)": timed(call_part(plain)),
-        "total: gated enqueue": timed(call_part(gated)),
-    }
+    parts = {"identity: Deduplicator.identity (fingerprint + key)": timed(identity_part)}
+    if gate is not None:
+        parts["reserve: Deduplicator.gate (one EVALSHA)"] = timed(gate_part)
+    parts["plain enqueue (the framework's own)"] = timed(call_part(plain))
+    parts["total: gated enqueue"] = timed(call_part(gated))
     samples, _ = interleaved(parts, ctx.sizes.runs, baseline=None)
     rows = [Row(section, name, "us/call", values) for name, values in samples.items()]
-    rest = [total - ident - res - pub
-            for ident, res, pub, total in zip(*samples.values(), strict=True)]
+    columns = list(zip(*samples.values(), strict=True))
+    if gate is not None:
+        rest = [total - ident - res - pub for ident, res, pub, total in columns]
+        note = "total - identity - reserve - plain, per run"
+    else:
+        rest = [total - ident - pub for ident, pub, total in columns]
+        note = ("total - identity - plain, per run: the wrapper and the script's extra "
+                "server time (the reservation rides in the framework's own round trip)")
     rows.append(Row(section, "rest: the integration's own wrapper", "us/call", rest,
-                    note="total - identity - reserve - plain, per run"))
+                    note=note))
     reset()
     return rows
 
@@ -310,19 +316,26 @@ def gated_breakdown(ctx: Context) -> tuple[list[Row], dict[str, Any]]:
         return dedup.identity(task.name, policy, args, None, func=func).key
 
     rows = _parts(
-        ctx, "gated Celery publish, per call", celery_key,
+        ctx, "gated Celery publish, gate in its own round trip, per call", celery_key,
         lambda key, owner: dedup.gate(task.name, policy, Identity(key), owner,
                                       ttl_ms=policy.ttl_ms),
         apps.charge_plain.apply_async, task.apply_async, celery_reset,
     )
     profiles = {"celery": _differential(ctx, apps.charge_plain.apply_async, task.apply_async,
                                         celery_reset)}
+    fused = apps.charge_fused
+    rows += _parts(
+        ctx, "gated Celery publish, reserve inside the push (default), per call",
+        lambda args: dedup.identity(fused.name, policy, args, None, func=fused._func()).key,
+        None, apps.charge_plain.apply_async, fused.apply_async, celery_reset,
+    )
 
     name = "bench-rq-breakdown"
     plain_q = Queue(name, connection=client)
     gated_q = DedupQueue(name, connection=client, dedup=policy)
     rq_dedup = gated_q.dedup
     job = jobs.rq_charge
+    assert gated_q._fuses(gated_q.create_job(job, args=(1,)))  # one round trip, as shipped
     job_name = f"{job.__module__}.{job.__qualname__}"
 
     def rq_reset() -> None:
@@ -333,9 +346,7 @@ def gated_breakdown(ctx: Context) -> tuple[list[Row], dict[str, Any]]:
         return rq_dedup.identity(job_name, policy, args, None, func=job).key
 
     rows += _parts(
-        ctx, "gated RQ enqueue, per call", rq_key,
-        lambda key, owner: rq_dedup.gate(job_name, policy, Identity(key), owner,
-                                         ttl_ms=policy.ttl_ms),
+        ctx, "gated RQ enqueue (reserve inside RQ's own enqueue), per call", rq_key, None,
         lambda args: plain_q.enqueue(job, *args), lambda args: gated_q.enqueue(job, *args),
         rq_reset,
     )

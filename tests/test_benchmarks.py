@@ -201,8 +201,10 @@ def test_benchmark_suite_runs_quick(redis_url: str, tmp_path: Path) -> None:
     data = json.loads(out.read_text(encoding="utf-8"))
     sections = {row["section"].split(" (")[0] for row in data["rows"]}
     assert {
-        "floor", "identity", "celery publish", "rq enqueue", "gated Celery publish, per call",
-        "gated RQ enqueue, per call", "celery worker", "rq worker", "bulk", "memory",
+        "floor", "identity", "celery publish", "rq enqueue",
+        "gated Celery publish, gate in its own round trip, per call",
+        "gated Celery publish, reserve inside the push", "gated RQ enqueue", "celery worker",
+        "rq worker", "bulk", "memory",
     } <= sections
     assert data["bars"] and data["machine"]["nproc"]
     gated = [r for r in data["rows"] if r["section"] == "celery publish (distinct)"
