@@ -10,6 +10,10 @@ falling back to EVAL"). Redis 6.2+ and Valkey; only EVALSHA, EVAL, SCRIPT LOAD (
 path), GET, SET PX, PEXPIRE, PTTL, DEL and SCAN are used.
 
 Stored value: ``<state>|<check>|<owner>`` (see :func:`~taskdedup.stores.memory.parse_value`).
+
+Beside the store, :func:`reserve_and_run` (``enqueue.lua``) reserves and runs a broker's own
+enqueue commands in one script, for integrations whose broker is this very (non-Cluster)
+server: Celery's ``RedisTransport`` and RQ's ``DedupQueue``.
 """
 
 from __future__ import annotations
@@ -326,13 +330,6 @@ class RedisStore:
         return LockInfo(key, state, owner, check, int(pttl))
 
     # -- beyond the protocol ---------------------------------------------------------------
-
-    def reserve_and_run(
-        self, key: str, owner: str, ttl_ms: int, check: str, replace: bool,
-        commands: Sequence[Sequence[Any]], peek: str = "",
-    ) -> tuple[LockResult, list[Any] | None]:
-        """:func:`reserve_and_run` on this store's client."""
-        return reserve_and_run(self.client, key, owner, ttl_ms, check, replace, commands, peek)
 
     def reserve_many(self, items: Sequence[tuple[str, str, int, str]]) -> list[LockResult]:
         """:meth:`reserve` each ``(key, owner, ttl_ms, check)`` in one pipeline round trip.
