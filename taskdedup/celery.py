@@ -5,8 +5,11 @@ Usage::
     @app.task(base=DedupTask, dedup=Policy(ttl=600))
     def charge(user_id, amount): ...
 
-The caller computes the identity, reserves it (one round trip) and puts the lock key in the
-message headers, so the worker never recomputes it. On the worker, ``before_start`` claims
+The caller computes the identity, reserves it and puts the lock key in the message headers,
+so the worker never recomputes it. On a ``redis://`` broker that holds the locks the
+reservation rides in the push (:class:`RedisTransport`, chosen automatically: one round trip
+per publish); with the locks elsewhere it is a round trip of its own, which :func:`batch`
+pipelines for many calls. On the worker, ``before_start`` claims
 the lock (and skips the body of a duplicate with :class:`DuplicateExecution`, an ``Ignore``),
 and Celery's signals complete or release it: ``task_success``, ``task_failure`` (also sent by
 the main process for a lost worker or a hard time limit), ``task_retry``, ``task_revoked``
@@ -520,11 +523,12 @@ class _Channel(kombu_redis.Channel):
 class RedisTransport(kombu_redis.Transport):
     """kombu's Redis transport with the gate fused into the publish (SPEC §10).
 
-    ``app.conf.broker_transport = "taskdedup.celery:RedisTransport"`` with a ``redis://``
-    broker: a gated ``apply_async`` then reserves and pushes in one Lua script, one round trip,
-    atomically (no reservation without its message, no message without its reservation). Used
-    when the locks live in the broker's Redis (no ``taskdedup_url``/``taskdedup_store`` that
-    points elsewhere); otherwise the gate is its own round trip, as with any broker.
+    A gated ``apply_async`` reserves and pushes in one Lua script, one round trip, atomically
+    (no reservation without its message, no message without its reservation). Used when the
+    locks live in the broker's Redis (no ``taskdedup_url``/``taskdedup_store`` that points
+    elsewhere); chosen automatically for a plain ``redis://`` broker (see :func:`_fuses`), or
+    set ``app.conf.broker_transport = "taskdedup.celery:RedisTransport"`` yourself (e.g. with
+    ``rediss://``). Messages without a reservation go through kombu's own ``_put``.
     """
 
     Channel = _Channel
