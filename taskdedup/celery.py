@@ -146,7 +146,8 @@ class DedupTask(Task):  # type: ignore[misc]
                 def publish_on(task_id: str | None, headers: dict[str, Any] | None) -> Any:
                     return publish(task_id, headers, acquired)
 
-                if isinstance(acquired.connection.transport, RedisTransport):
+                connection = getattr(acquired, "connection", None)
+                if isinstance(getattr(connection, "transport", None), RedisTransport):
                     handle = self._publish_fused(policy, identity, task_id, ttl_ms, publish_on,
                                                  headers, link, link_error, options)
                     if pending is not None:  # already one round trip: published, recorded
