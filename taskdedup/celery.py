@@ -40,7 +40,7 @@ from .events import logger
 from .exceptions import ConfigurationError, DuplicateTaskError, StoreUnavailableError
 from .policy import Mode, OnDuplicate, Policy, is_disabled
 from .stores.base import LockResult, Outcome, Store
-from .stores.redis import RedisStore, reserve_and_run
+from .stores.redis import RedisStore, may_have_run, reserve_and_run
 
 __all__ = ["HEADER", "Batch", "DedupTask", "DuplicateExecution", "batch", "get_deduplicator"]
 
@@ -199,16 +199,28 @@ class DedupTask(Task):  # type: ignore[misc]
                        policy.on_duplicate is OnDuplicate.REPLACE)
         token = _FUSED.set(fused)
         started = time.perf_counter()
+        failure: StoreUnavailableError | None = None
         try:
             handle = publish(task_id, headers)
+        except StoreUnavailableError as exc:
+            failure = exc
         finally:
             _FUSED.reset(token)
+        dedup = get_deduplicator(self.app)
+        if failure is not None:
+            # The connection broke: the broker is this Redis, so the publish failed as a plain
+            # one would, and the script may have run (the caller's retry is answered with that
+            # message). An error Redis answered (a user without script permission) ran
+            # nothing: on_store_error decides, and "allow" publishes with kombu's own push.
+            if may_have_run(failure):
+                raise failure
+            dedup.store_error(self.name, policy, identity.key, task_id, failure, "enqueue")
+            return publish(task_id, headers)
         if fused.result is None:  # cannot happen on RedisTransport: say so rather than guess
             raise ConfigurationError(
                 f"{self.name}: taskdedup.celery:RedisTransport did not see task {task_id}, "
                 "which was published without its reservation"
             )
-        dedup = get_deduplicator(self.app)
         result = dedup.verdict(self.name, identity, task_id, fused.result,
                                time.perf_counter() - started)
         self._note_outcome(result.verdict is Verdict.DUPLICATE)

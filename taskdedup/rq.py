@@ -61,7 +61,7 @@ from .events import logger
 from .exceptions import ConfigurationError, DuplicateTaskError, StoreUnavailableError
 from .policy import Mode, OnDuplicate, Policy, PolicyLike, is_disabled
 from .stores.base import LockState, Store
-from .stores.redis import RedisStore, reserve_and_run
+from .stores.redis import RedisStore, may_have_run, reserve_and_run
 
 __all__ = [
     "META_KEY", "DedupJob", "DedupQueue", "DedupWorker", "get_deduplicator", "skipped_info",
@@ -546,6 +546,8 @@ class DedupQueue(Queue):
                 lock, peeked = reserve_and_run(self.connection, identity.key, owner, ttl_ms,
                                                identity.check, replace, commands, peek)
             except StoreUnavailableError as exc:
+                if may_have_run(exc):  # the queue's Redis is unreachable: as a plain enqueue
+                    raise
                 self.dedup.store_error(name, policy, identity.key, owner, exc, "enqueue")
                 return publish(job)  # on_store_error="allow": enqueued without dedup
             result = self.dedup.verdict(name, identity, owner, lock,

@@ -11,7 +11,7 @@ import pytest
 import redis
 from celery import Celery
 
-from taskdedup import DuplicateTaskError, IdempotencyKeyMismatch, Policy
+from taskdedup import DuplicateTaskError, IdempotencyKeyMismatch, Policy, StoreUnavailableError
 from taskdedup.celery import TRANSPORT, DedupTask, RedisTransport, _fuses, get_deduplicator
 from taskdedup.testing import wait_for
 from tests.workers import CeleryWorker
@@ -163,6 +163,41 @@ def test_a_global_key_prefix_applies_to_the_fused_push(
     finally:
         redis_client.delete(f"pfx:{queue}", queue)
         app.close()
+
+
+def test_a_broker_user_without_script_permission_follows_on_store_error(
+    redis_url: str, redis_client: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Redis refuses the script (an ACL without EVALSHA/EVAL) but the broker works: nothing
+    ran, so ``on_store_error`` decides — ``raise`` sends nothing, ``allow`` publishes with
+    kombu's own push and a warning."""
+    import logging
+
+    user = f"noscript-{uuid.uuid4().hex[:6]}"
+    redis_client.acl_setuser(user, enabled=True, passwords=["+pw"], keys=["*"],
+                             channels=["*"], commands=["+@all", "-evalsha", "-eval"])
+    url = redis_url.replace("redis://", f"redis://{user}:pw@")
+    queue = f"noscript-{uuid.uuid4().hex[:8]}"
+    try:
+        for on_store_error, published in (("raise", 0), ("allow", 1)):
+            app = fused_app(url, task_default_queue=queue, task_ignore_result=True,
+                            taskdedup_stats=False)
+            task = declare(app, f"fused.noscript-{on_store_error}",
+                           on_store_error=on_store_error)
+            try:
+                if on_store_error == "raise":
+                    with pytest.raises(StoreUnavailableError, match="lacks a permission"):
+                        task.delay(1)
+                else:
+                    with caplog.at_level(logging.WARNING, logger="taskdedup"):
+                        task.delay(1)
+                    assert "WITHOUT dedup" in caplog.text
+                assert redis_client.llen(queue) == published
+            finally:
+                app.close()
+    finally:
+        redis_client.delete(queue)
+        redis_client.acl_deluser(user)
 
 
 def test_a_task_whose_recent_calls_are_mostly_duplicates_checks_before_building_a_message(

@@ -522,6 +522,32 @@ def test_a_one_round_trip_enqueue_whose_rq_command_fails_leaves_no_lock_and_says
         rc.delete(q.key)
 
 
+def test_a_queue_user_without_script_permission_follows_on_store_error(
+    rc: redis.Redis, redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The one-round-trip enqueue refused by Redis (an ACL without EVALSHA/EVAL) ran nothing:
+    ``raise`` enqueues nothing, ``allow`` enqueues with RQ's own commands and a warning."""
+    user = f"noscript-{label()}"
+    rc.acl_setuser(user, enabled=True, passwords=["+pw"], keys=["*"], channels=["*"],
+                   commands=["+@all", "-evalsha", "-eval"])
+    client = redis.Redis.from_url(redis_url.replace("redis://", f"redis://{user}:pw@"))
+    name = f"rq-noscript-{label()}"
+    try:
+        strict = DedupQueue(name, connection=client)
+        with pytest.raises(StoreUnavailableError, match="lacks a permission"):
+            strict.enqueue(rq_jobs.record, "x")
+        assert strict.count == 0
+        lenient = DedupQueue(name, connection=client, dedup={"on_store_error": "allow"})
+        with caplog.at_level(logging.WARNING, logger="taskdedup"):
+            job = lenient.enqueue(rq_jobs.record, "x")
+        assert job is not None and lenient.job_ids == [job.id]
+        assert any("WITHOUT dedup" in r.getMessage() for r in caplog.records)
+    finally:
+        DedupQueue(name, connection=rc).empty()
+        client.close()
+        rc.acl_deluser(user)
+
+
 # -- RQ's own job management -----------------------------------------------------------------
 
 

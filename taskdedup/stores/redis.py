@@ -144,6 +144,41 @@ def describe_client(client: Any) -> str:
     return f"{scheme}://{auth}{kwargs['host']}:{kwargs.get('port', 6379)}/{db}"
 
 
+def unavailable(
+    client: Any, action: str, exc: RedisError | RedisClusterException
+) -> StoreUnavailableError:
+    """The :class:`~taskdedup.StoreUnavailableError` for ``exc``, raised by ``client`` while
+    taskdedup tried to ``action``: where, what happened and what to change, without the
+    password."""
+    where = describe_client(client)
+    detail = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, AuthenticationError):
+        what = (
+            f"Redis at {where} refused the credentials ({detail}); check the user and "
+            "password"
+        )
+    elif isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
+        what = f"Redis at {where} is unreachable ({detail}); is Redis running at {where}?"
+    elif isinstance(exc, ReadOnlyError):
+        what = (
+            f"Redis at {where} is a read-only replica ({detail}); point taskdedup at the "
+            "primary"
+        )
+    elif isinstance(exc, NoPermissionError):
+        what = (
+            f"the Redis user at {where} lacks a permission ({detail}); allow EVALSHA, "
+            "EVAL, SCRIPT LOAD, SCAN and the lock key prefix"
+        )
+    else:
+        what = f"Redis at {where} answered with an error ({detail})"
+    message = f"taskdedup could not {action}: {what}; {_ALLOW_HINT}"
+    pool = getattr(client, "connection_pool", None)
+    password = (getattr(pool, "connection_kwargs", None) or {}).get("password")
+    if password:
+        message = message.replace(str(password), "***")
+    return StoreUnavailableError(message)
+
+
 class RedisStore:
     """A :class:`~taskdedup.stores.Store` over Redis or Valkey, through a ``redis.Redis`` client.
 
@@ -227,33 +262,7 @@ class RedisStore:
     def _unavailable(
         self, action: str, exc: RedisError | RedisClusterException
     ) -> StoreUnavailableError:
-        where = describe_client(self.client)
-        detail = f"{type(exc).__name__}: {exc}"
-        if isinstance(exc, AuthenticationError):
-            what = (
-                f"Redis at {where} refused the credentials ({detail}); check the user and "
-                "password"
-            )
-        elif isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
-            what = f"Redis at {where} is unreachable ({detail}); is Redis running at {where}?"
-        elif isinstance(exc, ReadOnlyError):
-            what = (
-                f"Redis at {where} is a read-only replica ({detail}); point taskdedup at the "
-                "primary"
-            )
-        elif isinstance(exc, NoPermissionError):
-            what = (
-                f"the Redis user at {where} lacks a permission ({detail}); allow EVALSHA, "
-                "EVAL, SCRIPT LOAD, SCAN and the lock key prefix"
-            )
-        else:
-            what = f"Redis at {where} answered with an error ({detail})"
-        message = f"taskdedup could not {action}: {what}; {_ALLOW_HINT}"
-        pool = getattr(self.client, "connection_pool", None)
-        password = (getattr(pool, "connection_kwargs", None) or {}).get("password")
-        if password:
-            message = message.replace(str(password), "***")
-        return StoreUnavailableError(message)
+        return unavailable(self.client, action, exc)
 
     def _eval(self, script: Script, action: str, key: str, *args: str | int) -> Any:
         """EVALSHA ``script`` on ``key`` in one round trip; EVAL it on NOSCRIPT.
@@ -460,6 +469,13 @@ class RedisStore:
         self.client.close()
 
 
+def may_have_run(exc: StoreUnavailableError) -> bool:
+    """Whether the call that failed with ``exc`` may have run on the server all the same:
+    the connection broke or timed out after the command could have been sent (a lost reply),
+    as opposed to an error the server answered with (nothing ran)."""
+    return isinstance(exc.__cause__, (RedisConnectionError, RedisTimeoutError))
+
+
 _ENQUEUE_SHA = hashlib.sha1(SCRIPTS["enqueue"].encode()).hexdigest()
 
 
@@ -499,9 +515,6 @@ def reserve_and_run(
                 "EVAL", SCRIPTS["enqueue"], *args, **_RAW
             )
     except RedisError as exc:
-        where = describe_client(client)
-        raise StoreUnavailableError(
-            f"could not reserve {key!r} and enqueue at {where}: {type(exc).__name__}: {exc}"
-        ) from exc
+        raise unavailable(client, f"reserve {key!r} and enqueue", exc) from exc
     peeked = reply[3] if len(reply) > 3 else None
     return _result(reply[:3]), peeked
