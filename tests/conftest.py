@@ -55,3 +55,14 @@ def redis_client(redis_url: str) -> Iterator[redis.Redis]:
         yield client
     finally:
         client.close()
+
+
+@pytest.fixture(scope="module")
+def rc(redis_url: str) -> Iterator[redis.Redis]:
+    """A client for a test module (not flushed: real workers share the server), and
+    ``TASKDEDUP_TEST_REDIS_URL`` set so task bodies and worker subprocesses reach the same
+    server."""
+    os.environ["TASKDEDUP_TEST_REDIS_URL"] = redis_url
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    client.close()

@@ -23,7 +23,7 @@ import os
 import re
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from decimal import Decimal
 from typing import Any
 
@@ -43,14 +43,6 @@ from tests.fault_jobs import ends, report
 from tests.workers import RqWorker
 
 HEX32 = re.compile(r"[0-9a-f]{32}")
-
-
-@pytest.fixture(scope="module")
-def rc(redis_url: str) -> Iterator[redis.Redis]:
-    os.environ["TASKDEDUP_TEST_REDIS_URL"] = redis_url
-    client = redis.Redis.from_url(redis_url)
-    yield client
-    client.close()
 
 
 # -- nested arguments with one bad value at a known path -------------------------------------

@@ -29,7 +29,6 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -73,14 +72,6 @@ def lock_lifetimes(rc: redis.Redis, keys: list[str], killed_at: float) -> list[i
 
     wait_for(all_gone, timeout=LEASE_MS / 1000 + 10, interval=0.01, what="locks expired")
     return list(gone.values())
-
-
-@pytest.fixture(scope="module")
-def rc(redis_url: str) -> Iterator[redis.Redis]:
-    os.environ["TASKDEDUP_TEST_REDIS_URL"] = redis_url
-    client = redis.Redis.from_url(redis_url)
-    yield client
-    client.close()
 
 
 # -- Celery ------------------------------------------------------------------------------------

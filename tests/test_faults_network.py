@@ -18,7 +18,6 @@ A :class:`tests.proxy.Proxy` sits between the clients and Redis. Three kinds of 
 
 from __future__ import annotations
 
-import os
 import random
 import uuid
 from collections.abc import Callable, Iterator
@@ -40,14 +39,6 @@ from tests.workers import RqWorker
 LONG = 600_000
 ACQUIRED = LockResult(Outcome.ACQUIRED)
 REPEAT = 10 * SCALE
-
-
-@pytest.fixture(scope="module")
-def rc(redis_url: str) -> Iterator[redis.Redis]:
-    os.environ["TASKDEDUP_TEST_REDIS_URL"] = redis_url
-    client = redis.Redis.from_url(redis_url)
-    yield client
-    client.close()
 
 
 @pytest.fixture

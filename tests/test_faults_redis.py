@@ -14,12 +14,11 @@ manual step; every accepted task runs exactly once (the worker puts back what it
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,14 +37,6 @@ from tests.workers import RqWorker
 pytestmark = pytest.mark.slow
 
 RESTARTS = 5 * SCALE
-
-
-@pytest.fixture(scope="module")
-def rc(redis_url: str) -> Iterator[redis.Redis]:
-    os.environ["TASKDEDUP_TEST_REDIS_URL"] = redis_url
-    client = redis.Redis.from_url(redis_url)
-    yield client
-    client.close()
 
 
 @dataclass

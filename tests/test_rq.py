@@ -34,14 +34,6 @@ TERMINAL = ("finished", "failed", "canceled", "stopped")
 
 
 @pytest.fixture(scope="module")
-def rc(redis_url: str) -> Iterator[redis.Redis]:
-    os.environ["TASKDEDUP_TEST_REDIS_URL"] = redis_url
-    client = redis.Redis.from_url(redis_url)
-    yield client
-    client.close()
-
-
-@pytest.fixture(scope="module")
 def workers(redis_url: str, rc: redis.Redis) -> Iterator[list[RqWorker]]:
     """Two workers (so one job can run while a duplicate is executed), one scheduler."""
     started = [RqWorker(redis_url, [QUEUE]).start()]

@@ -25,14 +25,6 @@ TERMINAL = ("finished", "failed", "canceled", "stopped")
 
 
 @pytest.fixture(scope="module")
-def rc(redis_url: str) -> Iterator[redis.Redis]:
-    os.environ["TASKDEDUP_TEST_REDIS_URL"] = redis_url
-    client = redis.Redis.from_url(redis_url)
-    yield client
-    client.close()
-
-
-@pytest.fixture(scope="module")
 def faults_queue() -> str:
     return f"rq-faults-{os.getpid()}"
 
