@@ -24,13 +24,16 @@ local function parse(v)
   return state, check, owner
 end
 
--- gate(key, owner, ttl_ms, check, replace) -> {code, state or false, owner or false}
+-- gate(key, owner, ttl_ms, check, replace[, value]) -> {code, state or false, owner or false}
+-- (value: the key's value when the caller has read it already; false when absent)
 -- The enqueue gate shared by reserve.lua, replace.lua and enqueue.lua (their headers give the
 -- codes): absent -> Q(owner); the owner's own Q/R -> Q, expiry never shortened; done by the
 -- owner -> DUPLICATE; another owner -> MISMATCH (checks differ), REPLACED (replace and Q) or
 -- DUPLICATE.
-local function gate(key, owner, ttl_ms, check, replace)
-  local value = read(key)
+local function gate(key, owner, ttl_ms, check, replace, value)
+  if value == nil then
+    value = read(key)
+  end
   if not value then
     redis.call('SET', key, 'Q|' .. check .. '|' .. owner, 'PX', ttl_ms)
     return {1, false, false}

@@ -24,18 +24,17 @@
 
 local DEAD = {finished = true, failed = true, stopped = true, canceled = true}
 
-local function written(owner)
-  if ARGV[5] == '' then return false end
-  local _, _, held_owner = parse(read(KEYS[1]))
-  if held_owner ~= owner then return false end
-  local status = redis.call('HGET', ARGV[5] .. owner, 'status')
-  return status ~= false and not DEAD[status]
+local value = read(KEYS[1])
+if ARGV[5] ~= '' then
+  local _, _, held_owner = parse(value)
+  if held_owner == ARGV[1] then
+    local status = redis.call('HGET', ARGV[5] .. ARGV[1], 'status')
+    if status and not DEAD[status] then
+      return {1, false, false}  -- this very call, sent again: the lock and the job are there
+    end
+  end
 end
-
-if written(ARGV[1]) then
-  return {1, false, false}  -- this very call, sent again: the lock and the job are there
-end
-local result = gate(KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4] == '1')
+local result = gate(KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4] == '1', value)
 local code = result[1]
 if code == 1 or code == 6 then
   local i = 6
