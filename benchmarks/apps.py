@@ -29,6 +29,8 @@ __all__ = [
     "charge_plain",
     "configure",
     "fused_app",
+    "realistic",
+    "realistic_app",
 ]
 
 PUBLISH_QUEUE = "bench-publish"
@@ -53,6 +55,15 @@ fused_app = Celery("bench-fused")
 fused_app.conf.update(_SETTINGS, broker_transport="taskdedup.celery:RedisTransport")
 
 
+realistic_app = Celery("bench-realistic")
+"""A realistic app: default configuration (only the broker URL, whose Redis also holds the
+locks), plain tasks and gated ones in one app, and a plain task published first. The peers'
+tasks live here too, with the one setting each needs (celery-once has no default backend)."""
+
+realistic: dict[str, Any] = {}
+"""Label → task of :data:`realistic_app` (``plain``, ``taskdedup``, and the peers present)."""
+
+
 def configure(url: str) -> None:
     """Point the app (broker, taskdedup, celery-once, celery-singleton) at ``url``.
 
@@ -60,6 +71,11 @@ def configure(url: str) -> None:
     """
     os.environ[ENV_URL] = url
     fused_app.conf.update(broker_url=url)  # locks in the broker: no taskdedup_url (see _fuses)
+    realistic_app.conf.update(
+        broker_url=url,
+        ONCE={"backend": "celery_once.backends.Redis",
+              "settings": {"url": url, "default_timeout": 600}},
+    )
     app.conf.update(
         broker_url=url,
         taskdedup_url=url,
@@ -121,6 +137,43 @@ else:
         effect(run)
 
     charge_singleton, HAVE_SINGLETON = _charge_singleton, True
+
+
+# -- the realistic app: plain and gated tasks together, default configuration ------------------
+
+
+@realistic_app.task(name="bench.realistic.plain")
+def _realistic_plain(
+    user_id: int, amount_cents: int, currency: str, order_id: str, run: str
+) -> None:
+    effect(run)
+
+
+@realistic_app.task(name="bench.realistic.dedup", base=DedupTask, dedup=POLICY)
+def _realistic_dedup(
+    user_id: int, amount_cents: int, currency: str, order_id: str, run: str
+) -> None:
+    effect(run)
+
+
+realistic.update(plain=_realistic_plain, taskdedup=_realistic_dedup)
+if HAVE_ONCE:
+    @realistic_app.task(name="bench.realistic.once", base=QueueOnce,
+                        once={"graceful": True, "timeout": 600})
+    def _realistic_once(
+        user_id: int, amount_cents: int, currency: str, order_id: str, run: str
+    ) -> None:
+        effect(run)
+
+    realistic["celery-once"] = _realistic_once
+if HAVE_SINGLETON:
+    @realistic_app.task(name="bench.realistic.singleton", base=Singleton)
+    def _realistic_singleton(
+        user_id: int, amount_cents: int, currency: str, order_id: str, run: str
+    ) -> None:
+        effect(run)
+
+    realistic["celery-singleton"] = _realistic_singleton
 
 
 if os.environ.get(ENV_URL):  # a worker subprocess

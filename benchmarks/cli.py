@@ -22,7 +22,9 @@ from rich.markup import escape
 
 from .harness import Row, Sizes
 
-SECTIONS = ("floor", "identity", "celery", "rq", "breakdown", "workers", "bulk", "memory")
+SECTIONS = (
+    "floor", "identity", "realistic", "celery", "rq", "breakdown", "workers", "bulk", "memory",
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -86,7 +88,7 @@ def _run(url: str, sizes: Sizes, sections: list[str], args: argparse.Namespace,
     from . import apps
 
     apps.configure(url)
-    from . import micro, publish, report, workers
+    from . import micro, publish, realistic, report, workers
     from .memory import memory
 
     client = redis.Redis.from_url(url)
@@ -111,6 +113,7 @@ def _run(url: str, sizes: Sizes, sections: list[str], args: argparse.Namespace,
     publish.capture_message(ctx)
     section("floor", lambda: micro.floor(ctx))
     section("identity", lambda: micro.fingerprints(ctx))
+    section("realistic", lambda: realistic.realistic_publish(ctx))
     section("celery", lambda: publish.celery_publish(ctx))
     section("rq", lambda: publish.rq_enqueue(ctx))
 

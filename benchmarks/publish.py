@@ -29,7 +29,10 @@ from . import apps, jobs
 from .harness import RoundTripCounter, Row, interleaved, purge, rate, server_commands
 from .micro import Context
 
-__all__ = ["capture_message", "celery_publish", "gated_breakdown", "rq_enqueue"]
+__all__ = [
+    "RUN_ARG", "capture_message", "celery_publish", "count_round_trips", "gated_breakdown",
+    "rq_enqueue",
+]
 
 PLAIN = "plain Celery apply_async"
 RQ_PLAIN = "plain RQ Queue.enqueue"
@@ -75,7 +78,7 @@ def capture_message(ctx: Context) -> None:
     ctx.client.delete(apps.PUBLISH_QUEUE)
 
 
-def _count(
+def count_round_trips(
     ctx: Context, call: Callable[[int], Any], k: int, label: str = "",
 ) -> tuple[float, dict[str, float], dict[str, float]]:
     """Round trips per call (client side), server commands per call, client commands."""
@@ -139,8 +142,8 @@ def celery_publish(ctx: Context) -> list[Row]:
                 argv = [DUP_ARGS] * k
             else:
                 argv = _distinct(f"count-{uuid.uuid4().hex}", k)
-            rts, server, sent = _count(ctx, lambda i, t=task, a=argv: t.apply_async(a[i]), k,
-                                       label)
+            rts, server, sent = count_round_trips(
+                ctx, lambda i, t=task, a=argv: t.apply_async(a[i]), k, label)
             expected = n if scenario == "distinct" or label == PLAIN else 1
             expected += 1 if scenario == "duplicate" and label == PLAIN else 0
             note = "" if published[label] == expected else (
@@ -210,7 +213,7 @@ def rq_enqueue(ctx: Context) -> list[Row]:
                 argv = [DUP_ARGS] * k
             else:
                 argv = _distinct(f"count-{uuid.uuid4().hex}", k)
-            rts, server, sent = _count(
+            rts, server, sent = count_round_trips(
                 ctx, lambda i, q=queue, a=argv: q.enqueue(func, *a[i]), k
             )
             expected = n if scenario == "distinct" or label == RQ_PLAIN else 1
