@@ -86,6 +86,7 @@ OLDER = [
 # differ between releases, and the README's own examples.
 SUBSET = [
     "tests/test_store_contract.py",
+    "tests/test_store_compat.py",
     "tests/test_celery_worker.py",
     "tests/test_celery_fused.py",
     "tests/test_celery_compat.py",

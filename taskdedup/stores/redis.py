@@ -26,7 +26,6 @@ from types import TracebackType
 from typing import Any, Self
 
 import redis
-from redis.client import NEVER_DECODE
 from redis.cluster import RedisCluster
 from redis.commands.core import Script
 from redis.exceptions import (
@@ -42,6 +41,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ..exceptions import ConfigurationError, StoreUnavailableError
+from ._compat import NEVER_DECODE, raw_exchange
 from .base import LockInfo, LockResult, LockState, Outcome
 from .memory import check_check, check_ms, check_owner, parse_value
 
@@ -213,6 +213,8 @@ class RedisStore:
         self._get = self._scripts["get"]
         # Whether reserve_many may assume the server has the reserve script.
         self._bulk_ready = False
+        # How reserve_many takes a pooled connection for its raw exchange (None: a pipeline).
+        self._take_connection = raw_exchange(client)
 
     @classmethod
     def from_url(cls, url: str, **client_kwargs: Any) -> RedisStore:
@@ -412,17 +414,17 @@ class RedisStore:
         bookkeeping (about 3x the CPU per command): packed with hiredis when available, sent
         in slices so the server starts while later slices are packed, read undecoded. Uses
         the client's retry policy on connection errors (every command here is idempotent
-        for its owner). A client without its own pool (single-connection) uses a pipeline.
+        for its owner). A client without its own pool (single-connection), or a redis-py
+        whose connections lack what this needs (``stores/_compat.py``), uses a pipeline.
         """
         client = self.client
-        single = getattr(client, "connection", None) is not None
-        if single or not hasattr(client, "connection_pool"):
+        if self._take_connection is None:
             pipe = client.pipeline(transaction=False)
             for command in commands:
                 pipe.execute_command(*command, **_RAW)  # type: ignore[no-untyped-call]
             return pipe.execute(raise_on_error=False)
         pool = client.connection_pool
-        conn = pool.get_connection()
+        conn = self._take_connection()
 
         def send_and_read() -> list[Any]:
             for start in range(0, len(commands), _SEND_SLICE):
@@ -477,11 +479,12 @@ def may_have_run(exc: StoreUnavailableError) -> bool:
 
 
 _ENQUEUE_SHA = hashlib.sha1(SCRIPTS["enqueue"].encode()).hexdigest()
+_RESENT = "="  # enqueue.lua's ARGV[5] for a call sent again
 
 
 def reserve_and_run(
     client: redis.Redis, key: str, owner: str, ttl_ms: int, check: str, replace: bool,
-    commands: Sequence[Sequence[Any]], peek: str = "",
+    commands: Sequence[Sequence[Any]], peek: str = "", *, resent: bool = False,
 ) -> tuple[LockResult, list[Any] | None]:
     """Reserve ``key`` (or replace, as :meth:`RedisStore.replace`) and, when the gate lets the
     call through, run ``commands`` (the broker's own enqueue: a push, a job write) —
@@ -492,7 +495,9 @@ def reserve_and_run(
     without its reservation, nor reserved without being queued, and a duplicate writes
     nothing. All keys must live on one server (not Cluster). With ``peek`` (a key prefix), a
     duplicate's answer also carries ``HGETALL peek + holder`` as a flat list (empty when that
-    hash does not exist); otherwise the second item is None.
+    hash does not exist); otherwise the second item is None. With ``resent`` (this very call
+    sent again after a connection error, e.g. kombu's publish retry), a queued lock of this
+    owner means the first script ran: it is accepted and ``commands`` do not run a second time.
 
     Raises:
         StoreUnavailableError: the script could not run, or one of ``commands`` failed (then
@@ -501,6 +506,10 @@ def reserve_and_run(
     check_owner(owner)
     check_ms("ttl_ms", ttl_ms)
     check_check(check)
+    if resent:
+        if peek:
+            raise ValueError("reserve_and_run: peek and resent exclude each other")
+        peek = _RESENT
     args: list[Any] = [1, key, owner, ttl_ms, check, "1" if replace else "0", peek]
     for command in commands:
         args.append(len(command))
