@@ -1,7 +1,7 @@
 """What taskdedup uses of redis-py beyond its public API, in one place, checked once.
 
 * ``NEVER_DECODE``: the ``execute_command`` option that returns a reply undecoded, whatever
-  the client's ``decode_responses``. Same name and value in redis-py 5.0–8.x.
+  the client's ``decode_responses``. Same name and value in redis-py 5.0 to 8.x.
 * The raw pipelined exchange of :meth:`RedisStore.reserve_many`: one pooled connection,
   commands packed and sent in slices, replies read undecoded (``send_packed_command``,
   ``read_response(disable_decoding=True)``, the connection's ``retry``). About a third of the
@@ -17,9 +17,12 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
-__all__ = ["NEVER_DECODE", "RawExchange", "raw_exchange"]
+if TYPE_CHECKING:
+    from redis.connection import Connection
+
+__all__ = ["NEVER_DECODE", "raw_exchange"]
 
 try:
     from redis.client import NEVER_DECODE
@@ -31,11 +34,7 @@ logger = logging.getLogger("taskdedup")
 _CONNECTION_METHODS = ("send_packed_command", "read_response", "disconnect", "pack_commands")
 _explained: set[str] = set()
 
-RawExchange = Callable[[], Any]
-"""Returns a pooled connection ready for :func:`raw_exchange` (release it to its pool)."""
-
-
-def raw_exchange(client: Any) -> Callable[[], Any] | None:
+def raw_exchange(client: Any) -> Callable[[], Connection] | None:
     """How to take a connection from ``client``'s pool for the raw exchange, or None (then
     use a pipeline): checked once per store, from the pool and one connection's class."""
     if getattr(client, "connection", None) is not None:
@@ -56,8 +55,8 @@ def raw_exchange(client: Any) -> Callable[[], Any] | None:
     except (TypeError, ValueError):
         parameter = None
     if parameter is not None and parameter.default is inspect.Parameter.empty:
-        return lambda: get("EVALSHA")  # redis-py < 6: a command name is required
-    return get  # type: ignore[no-any-return]
+        return lambda: cast("Connection", get("EVALSHA"))  # redis-py < 6: required
+    return cast("Callable[[], Connection]", get)
 
 
 def _explain(reason: str) -> None:
