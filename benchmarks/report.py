@@ -1,4 +1,4 @@
-"""The results table (rich), SPEC §10's bars met or not, the machine, and the JSON file."""
+"""The results table (rich), the performance bars met or not, the machine, and the JSON file."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ BATCHED = "taskdedup DedupTask, own round trip, loop in batch()"
 
 @dataclass
 class Bar:
-    """One bar of SPEC §10: what it asks, what was measured, whether it is met (None: not
+    """One performance bar: what it asks, what was measured, whether it is met (None: not
     measured in this run)."""
 
     bar: str
@@ -67,7 +67,7 @@ def extra_rts(gated: Row | None, plain: Row | None) -> float | None:
 
 
 def bars(rows: list[Row], memory_keys: int) -> list[Bar]:
-    """Evaluate every bar of SPEC §10 against this run's rows."""
+    """Evaluate every performance bar against this run's rows."""
     out: list[Bar] = []
 
     def ratio_bar(bar: str, row: Row | None, target: float = 0.85) -> None:
@@ -203,7 +203,7 @@ def print_table(console: Console, rows: list[Row]) -> None:
 
 
 def print_bars(console: Console, results: list[Bar]) -> None:
-    table = Table(title="SPEC §10 bars")
+    table = Table(title="performance bars")
     for column in ("bar", "target", "measured", "met"):
         table.add_column(column)
     for bar in results:

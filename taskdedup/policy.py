@@ -29,7 +29,7 @@ __all__ = [
 
 
 class Mode(StrEnum):
-    """When the identity is gated and when its lock is released (SPEC §4)."""
+    """When the identity is gated and when its lock is released (see the README's modes table)."""
 
     UNTIL_EXECUTING = "until_executing"
     """Enqueue gated; released when a worker starts the task."""

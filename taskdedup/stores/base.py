@@ -1,4 +1,4 @@
-"""The store contract: the lock state machine of SPEC §5 over any backend.
+"""The store contract: the lock state machine over any backend.
 
 One key per task identity. Its value records a state (:class:`LockState`), the owner task
 id (the fencing token) and, for explicit idempotency keys, a digest of the arguments

@@ -1,4 +1,4 @@
-"""MemoryStore: the lock state machine of SPEC §5 in one process, for tests and demos.
+"""MemoryStore: the lock state machine in one process, for tests and demos.
 
 Same semantics as :class:`~taskdedup.stores.RedisStore` (one contract suite runs over
 both), with an injectable clock so expiry can be tested without sleeping. Values are kept

@@ -1,13 +1,13 @@
-"""RedisStore: the lock state machine of SPEC §5 in Redis / Valkey, one Lua call per step.
+"""RedisStore: the lock state machine in Redis / Valkey, one Lua call per step.
 
 Each transition is one script in ``taskdedup/stores/lua/`` that reads and writes only its
 ``KEYS[1]`` (so it runs on Redis Cluster), compares the owner before it writes (fencing by
 task id) and returns small integers that map to :class:`~taskdedup.stores.base.Outcome`
 and :class:`~taskdedup.stores.base.LockState`. Scripts run with EVALSHA in one round
 trip; a server that lost them (restart, failover, ``SCRIPT FLUSH``) answers NOSCRIPT and
-the call is made again with EVAL, which also caches the script anew (SPEC §5: "EVALSHA,
-falling back to EVAL"). Redis 6.2+ and Valkey; only EVALSHA, EVAL, SCRIPT LOAD (bulk
-path), GET, SET PX, PEXPIRE, PTTL, DEL and SCAN are used.
+the call is made again with EVAL, which also caches the script anew. Redis 6.2+ and
+Valkey; only EVALSHA, EVAL, SCRIPT LOAD (bulk path), GET, SET PX, PEXPIRE, PTTL, DEL and
+SCAN are used.
 
 Stored value: ``<state>|<check>|<owner>`` (see :func:`~taskdedup.stores.memory.parse_value`).
 

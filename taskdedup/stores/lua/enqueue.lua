@@ -10,7 +10,11 @@
 -- ARGV[5]  peek     "" or a key prefix of job hashes (RQ's "rq:job:"): on a duplicate the
 --                   reply also carries HGETALL of peek .. holder (the original job's handle);
 --                   and a call whose own job is already written and alive (a client retry
---                   after a lost reply re-sends the same call) runs no command again
+--                   after a lost reply re-sends the same call) runs no command again;
+--                   or "=" for a call sent again (kombu's publish retry after a connection
+--                   error): a queued lock of this very owner means the first script ran,
+--                   so the call is accepted and runs no command again (a retry published
+--                   by the worker finds its lock running, R, and pushes)
 -- ARGV[6…] the enqueue commands, each as its argument count then its arguments, run in order
 --          only when the gate lets the call through
 --
@@ -25,12 +29,19 @@
 local DEAD = {finished = true, failed = true, stopped = true, canceled = true}
 
 local value = read(KEYS[1])
+local resent = ARGV[5] == '='
 if ARGV[5] ~= '' then
-  local _, _, held_owner = parse(value)
+  local held_state, _, held_owner = parse(value)
   if held_owner == ARGV[1] then
-    local status = redis.call('HGET', ARGV[5] .. ARGV[1], 'status')
-    if status and not DEAD[status] then
-      return {1, false, false}  -- this very call, sent again: the lock and the job are there
+    if resent then
+      if held_state == 'Q' then
+        return {1, false, false}  -- this very call, sent again: its push is queued
+      end
+    else
+      local status = redis.call('HGET', ARGV[5] .. ARGV[1], 'status')
+      if status and not DEAD[status] then
+        return {1, false, false}  -- this very call, sent again: the lock and the job are there
+      end
     end
   end
 end
@@ -50,7 +61,7 @@ if code == 1 or code == 6 then
     end
     i = i + n + 1
   end
-elseif code == 2 and ARGV[5] ~= '' and result[3] then
+elseif code == 2 and ARGV[5] ~= '' and not resent and result[3] then
   result[4] = redis.call('HGETALL', ARGV[5] .. result[3])
 end
 return result
