@@ -12,7 +12,8 @@ import redis
 from celery import Celery
 
 from taskdedup import DuplicateTaskError, IdempotencyKeyMismatch, Policy, StoreUnavailableError
-from taskdedup.celery import TRANSPORT, DedupTask, RedisTransport, _fuses, get_deduplicator
+from taskdedup.celery import DedupTask, RedisTransport, get_deduplicator
+from taskdedup.celery.config import fuses as _fuses
 from taskdedup.testing import wait_for
 from tests.workers import CeleryWorker
 
@@ -57,10 +58,19 @@ def test_the_transport_is_used_only_when_the_locks_live_in_the_broker(redis_url:
     assert _fuses(app)
 
 
-def test_the_transport_is_chosen_automatically_for_a_plain_redis_broker(redis_url: str) -> None:
-    """SPEC §10: no extra round trip where the broker is the same Redis — by default."""
-    auto = Celery("auto", broker=redis_url, set_as_current=False)
-    assert _fuses(auto) and auto.conf.broker_transport == TRANSPORT
+def test_the_one_round_trip_publish_is_chosen_for_a_plain_redis_broker_and_logged_once(
+    redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SPEC §10: no extra round trip where the broker is the same Redis — by default, without
+    rewriting the app's ``broker_transport`` (the choice is logged once)."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="taskdedup"):
+        auto = Celery("auto", broker=redis_url, set_as_current=False)
+        assert _fuses(auto) and _fuses(auto)
+        assert auto.conf.broker_transport is None
+    chosen = [r for r in caplog.records if "inside the broker's push" in r.getMessage()]
+    assert len(chosen) == 1 and chosen[0].levelno == logging.INFO
     kept: list[tuple[dict[str, Any], Any]] = [
         ({"taskdedup_fused_publish": False}, None),  # opted out
         ({"taskdedup_url": redis_url}, None),  # the locks live elsewhere
@@ -76,30 +86,42 @@ def test_the_transport_is_chosen_automatically_for_a_plain_redis_broker(redis_ur
     assert _fuses(amqp) is False and amqp.conf.broker_transport is None
 
 
-def test_a_connection_made_before_the_transport_was_chosen_gates_in_two_round_trips(
-    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A producer pool created by an earlier plain publish keeps kombu's transport: the gated
-    publish checks the connection it got and reserves in its own round trip — never a
-    message without its reservation."""
-    queue = f"late-{uuid.uuid4().hex[:8]}"
-    app = Celery("late", broker=redis_url, set_as_current=False)
+def realistic_app(redis_url: str, queue: str) -> tuple[Celery, Any, Any]:
+    """One app, default configuration, broker = the lock Redis, a plain task and a gated one
+    (SPEC §10's realistic app)."""
+    app = Celery("realistic", broker=redis_url, set_as_current=False)
     app.conf.update(task_default_queue=queue, task_ignore_result=True, taskdedup_stats=False)
 
     def identity(x: int) -> int:
         return x
 
-    plain = app.task(name="late.plain", shared=False)(identity)
-    task = declare(app, "late.gated")
+    plain = app.task(name="realistic.plain", shared=False)(identity)
+    return app, plain, declare(app, "realistic.gated")
+
+
+def test_a_plain_task_published_first_does_not_cost_the_gated_ones_a_round_trip(
+    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue #10 item 3: the producer pool of an earlier plain publish holds kombu's
+    transport; the gated publishes still reserve inside the push, one round trip, whatever
+    was published first."""
+    queue = f"late-{uuid.uuid4().hex[:8]}"
+    app, plain, task = realistic_app(redis_url, queue)
     try:
-        plain.delay(0)  # the producer pool is made now, with kombu's own transport
-        task.delay(0)  # loads the reserve script
-        assert app.conf.broker_transport == TRANSPORT  # chosen, but too late for this pool
+        plain.delay(0)  # the app's producer pool is made now, with kombu's own transport
+        task.delay(0)  # connects taskdedup's producers, loads the script
         counter = CommandCounter(monkeypatch)
         first = task.delay(1)
-        assert counter.commands == ["EVALSHA", "LPUSH"]
+        assert counter.commands == ["EVALSHA"]
+        counter.commands.clear()
         assert task.delay(1).id == first.id
-        assert redis_client.llen(queue) == 3  # the plain task and the two gated ones
+        assert counter.commands == ["EVALSHA"]
+        counter.commands.clear()
+        plain.delay(1)
+        assert counter.commands == ["LPUSH"]  # plain tasks keep kombu's own push
+        assert app.conf.broker_transport is None  # nothing rewritten
+        queued = [json.loads(m)["headers"]["id"] for m in redis_client.lrange(queue, 0, -1)]
+        assert len(queued) == 4 and queued.count(first.id) == 1
     finally:
         redis_client.delete(queue)
         app.close()

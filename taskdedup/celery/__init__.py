@@ -1,0 +1,41 @@
+"""Celery integration: ``DedupTask`` (the enqueue gate) and signal handlers (the worker guard).
+
+Usage::
+
+    @app.task(base=DedupTask, dedup=Policy(ttl=600))
+    def charge(user_id, amount): ...
+
+The caller computes the identity, reserves it and puts the lock key in the message headers,
+so the worker never recomputes it. On a ``redis://`` broker that holds the locks the
+reservation rides in the push (:class:`RedisTransport`, chosen when a ``DedupTask`` is bound
+to the app: one round trip per publish); with the locks elsewhere it is a round trip of its
+own, which :func:`batch` pipelines for many calls. On the worker, ``before_start`` claims the
+lock (and skips the body of a duplicate with :class:`DuplicateExecution`, an ``Ignore``), and
+Celery's signals complete or release it.
+
+Modules: :mod:`.task` (DedupTask), :mod:`.signals` (the worker guard's handlers),
+:mod:`.transport` (the fused kombu push), :mod:`.batch`, :mod:`.config` (store and publish
+path), :mod:`._compat` (what taskdedup relies on in kombu and Celery, checked once).
+"""
+
+from __future__ import annotations
+
+from . import signals as _signals  # connects the worker guard's handlers
+from ._message import HEADER
+from .batch import Batch, batch
+from .config import get_deduplicator
+from .task import DedupTask, DuplicateExecution
+from .transport import TRANSPORT, RedisTransport
+
+__all__ = [
+    "HEADER",
+    "TRANSPORT",
+    "Batch",
+    "DedupTask",
+    "DuplicateExecution",
+    "RedisTransport",
+    "batch",
+    "get_deduplicator",
+]
+
+del _signals

@@ -1,0 +1,188 @@
+"""What differs between the kombu and Celery releases taskdedup supports, and every private
+detail of theirs it relies on — checked once, beside the public fallback.
+
+The one-round-trip publish (:mod:`taskdedup.celery.transport`) subclasses kombu's Redis
+``Channel`` and builds the push kombu would have sent: it needs the channel's ``_put`` and
+``_put_fanout`` seams, how it names a queue per priority (``_q_for_pri``,
+``_get_message_priority``, ``priority_steps``), its key prefix (``global_keyprefix``), its
+connection pool (``pool``) and, where kombu has queue expiry (5.7: ``x-expires``), its expiry
+map (``_expires``). :func:`fused_push_missing` says, when the app is configured, what of that
+is missing; the app then reserves in a round trip of its own and publishes with kombu's own
+code (one INFO line says why). Features are detected, never version strings compared:
+
+- ``_expires`` / ``_get_queue_expire``: queue expiry, kombu 5.7 (not in 5.3 to 5.6).
+- ``_get_publish_topics``: several fanout topics per message, kombu 5.7 (5.3 to 5.6:
+  ``_get_publish_topic``, one).
+- ``_publish_batch`` (a ``put`` keyword) / ``create_publish_batch``: ``producer.batch()``,
+  kombu 5.7.
+"""
+
+from __future__ import annotations
+
+import inspect
+import ssl
+from collections.abc import Mapping
+from typing import Any
+
+from kombu.transport import redis as kombu_redis
+
+from ..events import logger
+
+__all__ = [
+    "Channel",
+    "Transport",
+    "flush_publish_batch",
+    "forget_pending",
+    "fused_push_missing",
+    "keep_rediss_tls",
+    "message_id",
+    "priority_queue_keys",
+    "publish_topic_keys",
+    "queue_expiry_ms",
+    "queue_list_key",
+    "request_dict",
+    "transport_of",
+]
+
+Channel = kombu_redis.Channel
+Transport = kombu_redis.Transport
+
+# What the fused push calls or reads on kombu's Redis channel (class attributes or methods).
+_CHANNEL_NEEDS = (
+    ("_put", "method"),
+    ("_put_fanout", "method"),
+    ("_q_for_pri", "method"),
+    ("_get_message_priority", "method"),
+    ("conn_or_acquire", "method"),
+    ("priority_steps", "value"),
+    ("global_keyprefix", "value"),
+    ("keyprefix_fanout", "value"),
+    ("pool", "value"),
+)
+
+
+def fused_push_missing(channel: type[Any] = Channel) -> str | None:
+    """What of kombu's Redis channel the one-round-trip publish needs and cannot find, or None.
+
+    Checked when a ``DedupTask`` is bound to its app: a kombu release that renamed one of
+    these gets the public path (a reservation round trip, then kombu's own publish) instead
+    of an error after the message was published.
+    """
+    for name, kind in _CHANNEL_NEEDS:
+        if not hasattr(channel, name):
+            return f"kombu's Redis channel has no {name}"
+        if kind == "method" and not callable(getattr(channel, name)):
+            return f"kombu's Redis channel's {name} is not a method"
+    try:
+        put = inspect.signature(channel._put).parameters
+        fanout = inspect.signature(channel._put_fanout).parameters
+    except (TypeError, ValueError) as exc:
+        return f"kombu's Redis channel's _put cannot be inspected ({exc})"
+    if list(put)[1:3] != ["queue", "message"]:
+        return f"kombu's Redis channel's _put takes ({', '.join(put)}), not (queue, message)"
+    if list(fanout)[1:4] != ["exchange", "message", "routing_key"]:
+        return (f"kombu's Redis channel's _put_fanout takes ({', '.join(fanout)}), "
+                "not (exchange, message, routing_key)")
+    if not (hasattr(channel, "_get_publish_topics") or hasattr(channel, "_get_publish_topic")):
+        return "kombu's Redis channel has no _get_publish_topic(s)"
+    if hasattr(channel, "_get_queue_expire") and not _expires_is_a_map(channel):
+        return "kombu's Redis channel has queue expiry but no _expires map"
+    return None
+
+
+def _expires_is_a_map(channel: type[Any]) -> bool:
+    """Whether kombu keeps its queue expiry in ``self._expires`` (kombu 5.7 sets it in
+    ``__init__``): read from the source, as a channel needs a connection to be made."""
+    try:
+        source = inspect.getsource(channel.__init__)
+    except (OSError, TypeError):
+        return False
+    return "self._expires" in source
+
+
+def message_id(message: Mapping[str, Any]) -> Any:
+    """The task id of a message as kombu's virtual transport holds it (Celery's protocol 2
+    puts it in the headers, protocol 1 in the body's properties)."""
+    headers = message.get("headers") or {}
+    if "id" in headers:
+        return headers["id"]
+    return (message.get("properties") or {}).get("correlation_id")
+
+
+def queue_list_key(channel: Any, queue: str, message: Mapping[str, Any]) -> str:
+    """The Redis list a message for ``queue`` goes to, with kombu's global key prefix (kombu's
+    client prefixes the commands it knows; a script's keys it cannot)."""
+    priority = channel._get_message_priority(message, reverse=False)
+    return str(channel.global_keyprefix + channel._q_for_pri(queue, priority))
+
+
+def priority_queue_keys(channel: Any, queue: str) -> list[str]:
+    """Every priority list of ``queue``, prefixed (what kombu's expiry refreshes)."""
+    prefix = channel.global_keyprefix
+    return [prefix + channel._q_for_pri(queue, step) for step in channel.priority_steps]
+
+
+def queue_expiry_ms(channel: Any, queue: str) -> int | None:
+    """The ``x-expires`` of ``queue`` in milliseconds, on a kombu with queue expiry; else None."""
+    expires = getattr(channel, "_expires", None)  # kombu 5.7; absent before
+    if not expires or queue not in expires:
+        return None
+    return int(expires[queue])
+
+
+def publish_topic_keys(channel: Any, exchange: str, routing_key: str) -> list[str]:
+    """The PUB/SUB topics a fanout message goes to, prefixed as kombu's client would."""
+    many = getattr(channel, "_get_publish_topics", None)  # kombu 5.7
+    topics = many(exchange, routing_key) if many else [
+        channel._get_publish_topic(exchange, routing_key)]
+    return [channel.global_keyprefix + str(topic) for topic in topics]
+
+
+def flush_publish_batch(kwargs: dict[str, Any]) -> None:
+    """Take kombu 5.7's ``_publish_batch`` out of a put's keywords and send what it holds.
+
+    A gated message cannot wait for the batch (its caller needs the gate's answer now), so it
+    is pushed at once — after the messages buffered before it, to keep their order.
+    """
+    batch = kwargs.pop("_publish_batch", None)
+    if batch is not None:
+        batch.flush()
+
+
+def keep_rediss_tls(connection: Any) -> None:
+    """Turn TLS on for a ``rediss://`` URL as kombu does for its own ``rediss`` transport.
+
+    kombu reads TLS off the URL's scheme only when that scheme also names the transport; with
+    ``broker_transport`` set to ours, a ``rediss://`` URL without ``ssl_*`` options or
+    ``broker_use_ssl`` would connect in plain text. Same default and warning as kombu's.
+    """
+    if connection.ssl:
+        return
+    url = str((getattr(connection, "_initial_params", None) or {}).get("hostname") or "")
+    if url.split("://", 1)[0] in ("rediss", "valkeys"):
+        logger.warning("Secure redis scheme specified (rediss) with no ssl options, "
+                       "defaulting to insecure SSL behaviour.")
+        connection.ssl = {"ssl_cert_reqs": ssl.CERT_NONE}
+
+
+def transport_of(producer: Any) -> Any:
+    """The kombu transport of a producer's connection (None when it has none yet)."""
+    connection = getattr(producer, "connection", None)
+    return getattr(connection, "transport", None)
+
+
+def forget_pending(task: Any, task_id: str) -> None:
+    """Undo what Celery's publish set up for a result that will never come (a result
+    backend that subscribes per task id, e.g. Redis pub/sub: ``result_consumer.cancel_for``)."""
+    consumer = getattr(task.backend, "result_consumer", None)
+    cancel = getattr(consumer, "cancel_for", None)
+    if cancel is not None:
+        try:
+            cancel(task_id)
+        except Exception:  # best effort: it only frees a subscription
+            logger.debug("taskdedup: could not cancel the result subscription of %s", task_id)
+
+
+def request_dict(request: Any) -> Mapping[str, Any]:
+    """The message fields of a worker's ``Request`` (``task_revoked`` gets the request)."""
+    return getattr(request, "request_dict", None) or {}

@@ -1,0 +1,39 @@
+"""What a gated message carries: the ``taskdedup`` header, read on both sides.
+
+The caller puts ``{"task": name, "key": lock key}`` (or ``"off": 1`` for a bypassed call) in
+the message headers, so the worker never recomputes the identity; the worker marks the request
+with the lock it claimed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["HEADER", "SKIPPED", "STATE_ATTR", "carried_key", "is_off", "request_header"]
+
+HEADER = "taskdedup"
+"""Message header carrying ``{"task": name, "key": lock key}`` or ``{"task": name, "off": 1}``."""
+
+STATE_ATTR = "_taskdedup"  # on the request: the claimed lock key, or SKIPPED
+SKIPPED = "skipped"
+
+
+def request_header(request: Any) -> Any:
+    """The ``taskdedup`` header of a worker's request (a message header or a request field)."""
+    headers = getattr(request, "headers", None)
+    if headers and HEADER in headers:
+        return headers[HEADER]
+    return getattr(request, HEADER, None)
+
+
+def carried_key(raw: Any, task_name: str) -> str | None:
+    """The lock key the caller put in the header, if it is this task's."""
+    if isinstance(raw, Mapping) and raw.get("task") == task_name and raw.get("key"):
+        return str(raw["key"])
+    return None
+
+
+def is_off(raw: Any, task_name: str) -> bool:
+    """Whether the caller bypassed dedup for this call (``dedup=False``)."""
+    return isinstance(raw, Mapping) and raw.get("task") == task_name and bool(raw.get("off"))

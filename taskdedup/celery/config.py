@@ -1,0 +1,152 @@
+"""The app's configuration, read once per app: the lock store and the publish path.
+
+Store: ``app.conf.taskdedup_store`` (a Store or a ready redis client), else
+``app.conf.taskdedup_url``, else ``TASKDEDUP_URL``, else the broker URL when it is Redis.
+Publish path (:func:`fuses`): the reservation inside the broker's push
+(:class:`~taskdedup.celery.transport.RedisTransport`, one round trip) or in a round trip of
+its own; decided once per app and logged.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import redis
+from celery import Celery
+from kombu import pools
+
+from .. import stats
+from ..core import DEFAULT_PREFIX, Deduplicator
+from ..events import logger
+from ..exceptions import ConfigurationError
+from ..stores.base import Store
+from ..stores.redis import RedisStore
+from . import _compat
+from .transport import TRANSPORT, RedisTransport
+
+__all__ = ["fused_producer", "fuses", "get_deduplicator", "own_store"]
+
+
+def get_deduplicator(app: Celery) -> Deduplicator:
+    """The app's :class:`~taskdedup.core.Deduplicator`, built once from its configuration.
+
+    Store: ``app.conf.taskdedup_store`` (a Store or a ready redis client), else
+    ``app.conf.taskdedup_url``, else ``TASKDEDUP_URL``, else the broker URL when it is Redis.
+    Key prefix: ``app.conf.taskdedup_prefix``, else ``TASKDEDUP_PREFIX``, else ``taskdedup``.
+    """
+    dedup: Deduplicator | None = app.__dict__.get("_taskdedup")
+    if dedup is None:
+        prefix = app.conf.get("taskdedup_prefix") or os.environ.get("TASKDEDUP_PREFIX")
+        prefix = prefix or DEFAULT_PREFIX
+        dedup = Deduplicator(_store_for(app), prefix=prefix)
+        if app.conf.get("taskdedup_stats", True):  # counters flushed to Redis off the hot path
+            interval = app.conf.get("taskdedup_stats_interval") or stats.DEFAULT_INTERVAL
+            stats.attach(dedup, interval=float(interval))
+        app.__dict__["_taskdedup"] = dedup
+    return dedup
+
+
+def own_store(app: Celery) -> bool:
+    """Whether the app names a lock store of its own (not the broker's Redis)."""
+    conf = app.conf
+    return conf.get("taskdedup_store") is not None or bool(
+        conf.get("taskdedup_url") or os.environ.get("TASKDEDUP_URL")
+    )
+
+
+def fuses(app: Celery) -> bool:
+    """Whether this app's gated publishes reserve inside the broker's push (decided once).
+
+    Yes when the locks live in the broker's Redis and kombu's Redis channel still has what the
+    fused push needs (:func:`taskdedup.celery._compat.fused_push_missing`): with
+    ``broker_transport = "taskdedup.celery:RedisTransport"``, or — unless
+    ``taskdedup_fused_publish`` is False — with no transport configured and one
+    ``redis://``/``rediss://`` broker URL (no separate write broker). In that second case the
+    app's own connections keep kombu's transport (``broker_transport`` is not touched) and the
+    gated publishes go through a producer pool of their own on :class:`RedisTransport` to the
+    same broker, so what was published first does not matter. Decided when the first
+    ``DedupTask`` is bound to the app (``Task.on_bound``) or publishes, and logged once at INFO.
+    """
+    cached: bool | None = app.__dict__.get("_taskdedup_fuses")
+    if cached is None:
+        cached, why = _choose(app)
+        app.__dict__["_taskdedup_fuses"] = cached
+        logger.info("taskdedup: Celery app %r: %s", app.main, why)
+    return cached
+
+
+def _choose(app: Celery) -> tuple[bool, str]:
+    conf = app.conf
+    transport = conf.broker_transport
+    url = conf.broker_url
+    own = "each gated publish reserves in a round trip of its own, then kombu publishes it"
+    if own_store(app):
+        return False, f"the locks have a store of their own (taskdedup_url/taskdedup_store): {own}"
+    missing = _compat.fused_push_missing(RedisTransport.Channel)
+    if transport is RedisTransport or transport == TRANSPORT:
+        if missing:
+            return False, f"broker_transport is {TRANSPORT}, but {missing}: {own}"
+        return True, "gated publishes reserve inside the broker's push (one round trip)"
+    if transport is not None:
+        return False, f"broker_transport is {transport!r}: {own}"
+    if not conf.get("taskdedup_fused_publish", True):
+        return False, f"taskdedup_fused_publish is False: {own}"
+    if not (isinstance(url, str) and url.split("://", 1)[0] in ("redis", "rediss")
+            and ";" not in url and conf.broker_write_url in (None, url)):
+        return False, f"the broker is not one redis:// URL that also holds the locks: {own}"
+    if missing:
+        return False, f"{missing}: {own}"
+    return True, (f"gated publishes reserve inside the broker's push (one round trip), through "
+                  f"producers of their own on {TRANSPORT} (other tasks keep kombu's transport; "
+                  "taskdedup_fused_publish=False turns this off)")
+
+
+def fused_producer(app: Celery, producer: Any = None) -> AbstractContextManager[Any]:
+    """A producer whose channel runs the fused push, for one gated publish.
+
+    ``producer`` when it is on :class:`RedisTransport`; else one of the app's own producers
+    when its ``broker_transport`` is ours; else one of taskdedup's producer pool on
+    :class:`RedisTransport` to the app's broker (kombu's public ``pools.producers``, made
+    again after a fork).
+    """
+    if producer is not None and isinstance(_compat.transport_of(producer), RedisTransport):
+        return nullcontext(producer)
+    transport = app.conf.broker_transport
+    if transport is RedisTransport or transport == TRANSPORT:
+        return app.producer_or_acquire(producer)  # type: ignore[no-any-return]
+    held: tuple[int, Any] | None = app.__dict__.get("_taskdedup_producers")
+    pid = os.getpid()
+    if held is None or held[0] != pid:
+        pool = pools.producers[app.connection_for_write(transport=RedisTransport)]
+        pool.limit = app.pool.limit
+        held = app.__dict__["_taskdedup_producers"] = (pid, pool)
+    timeout = app.conf.broker_pool_acquire_timeout
+    return held[1].acquire(block=True, timeout=timeout)  # type: ignore[no-any-return]
+
+
+def _store_for(app: Celery) -> Store:
+    conf = app.conf
+    ready = conf.get("taskdedup_store")
+    if ready is not None:
+        if isinstance(ready, Store):
+            return ready
+        if isinstance(ready, redis.Redis):
+            return RedisStore(ready)
+        raise ConfigurationError(
+            f"app.conf.taskdedup_store must be a taskdedup Store or a redis.Redis client, "
+            f"got {type(ready).__name__}"
+        )
+    url = conf.get("taskdedup_url") or os.environ.get("TASKDEDUP_URL")
+    if not url:
+        broker = conf.broker_url if isinstance(conf.broker_url, str) else ""
+        if broker.split("://", 1)[0] in ("redis", "rediss", "valkey", "valkeys"):
+            url = broker.split(";", 1)[0]
+    if not url:
+        raise ConfigurationError(
+            "taskdedup needs a Redis server for its locks: set app.conf.taskdedup_url "
+            "(or the TASKDEDUP_URL environment variable) to a redis:// URL; the broker "
+            f"({(conf.broker_url or 'unset').split('://', 1)[0]}://) is not Redis"
+        )
+    return RedisStore.from_url(str(url))

@@ -1,0 +1,126 @@
+"""The worker guard's bookkeeping, on Celery's signals: complete or release the lock.
+
+``task_success`` completes it; ``task_failure`` (also sent by the worker's main process for a
+lost worker or a hard time limit), ``task_revoked`` and ``task_postrun`` (for ``Ignore`` /
+``Reject``) release it; ``task_retry`` keeps it for the retry. Signals also cover tasks sent by
+name from another process. Importing this module connects the handlers (once).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import signals
+
+from .. import stats
+from ..policy import Mode
+from . import _compat
+from ._message import HEADER, SKIPPED, STATE_ATTR, carried_key, is_off, request_header
+from .config import get_deduplicator
+from .task import DedupTask
+
+__all__: list[str] = []
+
+
+def _dedup_task(sender: Any) -> DedupTask | None:
+    return sender if isinstance(sender, DedupTask) and sender._dedup_policy is not None else None
+
+
+def _on_success(sender: Any = None, **_: Any) -> None:
+    task = _dedup_task(sender)
+    if task is None:
+        return
+    request = task.request
+    key = getattr(request, STATE_ATTR, None)
+    if key and key != SKIPPED:
+        get_deduplicator(task.app).finish(
+            task.name, task._dedup_policy, key, request.id, success=True  # type: ignore[arg-type]
+        )
+
+
+def _on_failure(
+    sender: Any = None, task_id: str | None = None, args: Any = None, kwargs: Any = None, **_: Any
+) -> None:
+    task = _dedup_task(sender)
+    if task is None or task_id is None:
+        return
+    key = _key_for(task, task_id, args, kwargs)
+    if key:
+        get_deduplicator(task.app).release(task.name, key, task_id, reason="failed")
+
+
+def _on_retry(sender: Any = None, request: Any = None, **_: Any) -> None:
+    task = _dedup_task(sender)
+    if task is None or request is None:
+        return
+    key = getattr(request, STATE_ATTR, None)
+    if not key or key == SKIPPED:
+        return
+    dedup = get_deduplicator(task.app)
+    if task._dedup_policy.mode is Mode.WHILE_EXECUTING:  # type: ignore[union-attr]
+        dedup.release(task.name, key, request.id, reason="retry")  # not executing meanwhile
+    else:  # the retry's publish re-reserved it for the countdown; just stop renewing
+        dedup.stop_heartbeat(key, request.id)
+
+
+def _on_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
+    task = _dedup_task(sender)
+    if task is None or request is None:
+        return
+    raw = _compat.request_dict(request).get(HEADER)
+    key = carried_key(raw, task.name) or getattr(request, STATE_ATTR, None)
+    if key is None and not is_off(raw, task.name):
+        key = _recompute(task, request.args, request.kwargs)
+    if key and key != SKIPPED:
+        get_deduplicator(task.app).release(task.name, key, request.id, reason="revoked")
+
+
+def _on_postrun(sender: Any = None, task_id: str | None = None, state: str | None = None,
+                **_: Any) -> None:
+    if state not in ("IGNORED", "REJECTED"):
+        return
+    task = _dedup_task(sender)
+    if task is None or task_id is None:
+        return
+    key = getattr(task.request, STATE_ATTR, None)
+    if key and key != SKIPPED:
+        get_deduplicator(task.app).release(task.name, key, task_id, reason=state.lower())
+
+
+def _key_for(task: DedupTask, task_id: str, args: Any, kwargs: Any) -> str | None:
+    """The lock key of ``task_id``, in the pool process or in the worker's main process."""
+    request = task.request
+    if request is not None and request.id == task_id:
+        key = getattr(request, STATE_ATTR, None)
+        if key is not None:
+            return None if key == SKIPPED else str(key)
+        raw = request_header(request)
+        if is_off(raw, task.name):
+            return None
+        carried = carried_key(raw, task.name)
+        if carried is not None:
+            return carried
+    # Main process after a lost worker or a hard time limit, without the request: recompute.
+    # (An explicit dedup_key cannot be recomputed; that lock frees itself within ``lease``.)
+    return _recompute(task, args, kwargs)
+
+
+def _recompute(task: DedupTask, args: Any, kwargs: Any) -> str | None:
+    policy = task._dedup_policy
+    if policy is None or args is None:
+        return None
+    try:
+        return get_deduplicator(task.app).identity(
+            task.name, policy, args, kwargs, func=task._func()
+        ).key
+    except Exception:
+        return None
+
+
+signals.task_success.connect(_on_success, weak=False)
+signals.task_failure.connect(_on_failure, weak=False)
+signals.task_retry.connect(_on_retry, weak=False)
+signals.task_revoked.connect(_on_revoked, weak=False)
+signals.task_postrun.connect(_on_postrun, weak=False)
+# Pool processes exit without atexit handlers: flush the last counts explicitly.
+signals.worker_process_shutdown.connect(lambda **_: stats.flush_all(), weak=False)

@@ -1,0 +1,144 @@
+"""The one-round-trip publish: kombu's Redis transport whose push also reserves (SPEC §10).
+
+A gated ``apply_async`` sets :data:`FUSED` for its message; this channel's ``_put`` (a queue)
+or ``_put_fanout`` (a broadcast) then runs the reservation and kombu's own push in one Lua
+script (``enqueue.lua``): no reservation without its message, no message without its
+reservation, a duplicate pushes nothing. Every other message goes through kombu's own code.
+What this relies on in kombu lives in :mod:`taskdedup.celery._compat`.
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from kombu.utils.json import dumps as _kombu_dumps
+
+from ..exceptions import StoreUnavailableError
+from ..stores.base import LockResult
+from ..stores.redis import may_have_run, reserve_and_run
+from . import _compat
+
+__all__ = ["FUSED", "TRANSPORT", "Fused", "RedisTransport"]
+
+TRANSPORT = "taskdedup.celery:RedisTransport"
+"""``broker_transport`` of :class:`RedisTransport`."""
+
+@dataclass
+class Fused:
+    """A reservation for the pushes of message ``owner``, and the store's answer.
+
+    ``attempts`` counts the scripts sent for it: kombu resends a publish after a connection
+    error (Celery's ``task_publish_retry``), and a resent script must not push a second copy
+    when the first one ran and only its reply was lost.
+    """
+
+    key: str
+    owner: str
+    ttl_ms: int
+    check: str
+    replace: bool
+    result: LockResult | None = None
+    attempts: int = 0
+
+    def run(self, client: redis.Redis, commands: list[tuple[Any, ...]]) -> None:
+        """Reserve and, if the gate lets the message through, run ``commands``: one script.
+
+        A broken connection is raised as redis-py's own error, so kombu retries it as it
+        retries its own push; the resent script recognises this owner's queued lock and pushes
+        nothing again.
+        """
+        resent = self.attempts > 0
+        self.attempts += 1
+        try:
+            self.result, _ = reserve_and_run(client, self.key, self.owner, self.ttl_ms,
+                                             self.check, self.replace, commands, resent=resent)
+        except StoreUnavailableError as exc:
+            cause = exc.__cause__
+            if may_have_run(exc) and isinstance(cause, redis.RedisError):
+                raise cause from None
+            raise
+
+
+def json_dumps(message: Any) -> str:
+    """kombu's own JSON encoding of a message (what its ``_put`` pushes)."""
+    return str(_kombu_dumps(message))  # type: ignore[no-untyped-call]
+
+
+FUSED: ContextVar[Fused | None] = ContextVar("taskdedup_fused", default=None)
+
+
+class _Channel(_compat.Channel):
+    """kombu's Redis channel, whose push also reserves the identity, in one Lua script."""
+
+    _taskdedup_client: redis.Redis | None = None
+
+    def _publisher(self) -> redis.Redis:
+        """One client over the channel's pool for the fused pushes.
+
+        kombu builds a new ``redis.Redis`` for every push (``conn_or_acquire``), which costs
+        more than the round trip on a fast server; a client over a pool is thread-safe, so one
+        per channel does, made again if the channel replaced its pool (after a reconnect).
+        """
+        client = self._taskdedup_client
+        pool = self.pool
+        if client is None or client.connection_pool is not pool:
+            client = self._taskdedup_client = redis.Redis(connection_pool=pool)
+        return client
+
+    def _fused_for(self, message: dict[str, Any]) -> Fused | None:
+        fused = FUSED.get()
+        if fused is None or _compat.message_id(message) != fused.owner:
+            return None
+        return fused
+
+    def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
+        fused = self._fused_for(message)
+        if fused is None:
+            super()._put(queue, message, **kwargs)  # type: ignore[no-untyped-call]
+            return
+        _compat.flush_publish_batch(kwargs)
+        commands: list[tuple[Any, ...]] = [
+            ("LPUSH", _compat.queue_list_key(self, queue, message), json_dumps(message))]
+        expiry = _compat.queue_expiry_ms(self, queue)
+        if expiry is not None:  # kombu 5.7's x-expires: refreshed by every push, as kombu does
+            commands += [("PEXPIRE", key, expiry)
+                         for key in _compat.priority_queue_keys(self, queue)]
+        fused.run(self._publisher(), commands)
+
+    def _put_fanout(self, exchange: str, message: dict[str, Any], routing_key: str,
+                    **kwargs: Any) -> None:
+        """A broadcast: gated inside the script like a queued message (SPEC §6)."""
+        fused = self._fused_for(message)
+        if fused is None:
+            super()._put_fanout(exchange, message, routing_key, **kwargs)  # type: ignore[no-untyped-call]
+            return
+        _compat.flush_publish_batch(kwargs)
+        payload = json_dumps(message)
+        fused.run(self._publisher(), [
+            ("PUBLISH", topic, payload)
+            for topic in _compat.publish_topic_keys(self, exchange, routing_key)])
+
+
+class RedisTransport(_compat.Transport):
+    """kombu's Redis transport with the gate fused into the publish (SPEC §10).
+
+    A gated ``apply_async`` reserves and pushes in one Lua script, one round trip, atomically
+    (no reservation without its message, no message without its reservation). Used when the
+    locks live in the broker's Redis; chosen when a ``DedupTask`` is bound to an app whose
+    broker is one ``redis://`` or ``rediss://`` URL (see
+    :func:`taskdedup.celery.config.fuses`), or set
+    ``app.conf.broker_transport = "taskdedup.celery:RedisTransport"`` yourself. Messages
+    without a reservation go through kombu's own code.
+
+    A ``rediss://`` URL keeps TLS: kombu turns TLS on by the URL's scheme only for its own
+    ``rediss`` transport, so this one does the same when no ``broker_use_ssl`` is given.
+    """
+
+    Channel = _Channel
+
+    def __init__(self, client: Any, **kwargs: Any) -> None:
+        _compat.keep_rediss_tls(client)
+        super().__init__(client, **kwargs)  # type: ignore[no-untyped-call]
