@@ -1,0 +1,276 @@
+"""Everything that differs between RQ releases (2.6 to 3.x) or touches a private detail of RQ
+or redis-py, in one place, each with the check that it still holds.
+
+Feature detection only (no version strings):
+
+- RQ 3.0 passes an ``Execution`` to ``perform_job``, ``handle_job_*``, ``monitor_work_horse``
+  and ``cleanup_execution``; RQ 2.x does not (the worker keeps ``self.execution``).
+- RQ 3.0 adds ``JobStatus.READY_TO_ENQUEUE`` / ``RATE_LIMITED`` and ``Job.has_rate_limit``;
+  RQ 2.7 adds ``unique=True`` with ``DuplicateJobError`` and ``JOB_ID_PATTERN``.
+- The one-round-trip enqueue runs RQ's own enqueue into a pipeline that is never executed and
+  hands its commands to ``enqueue.lua``. That rests on redis-py's ``Pipeline.command_stack``
+  and on RQ writing its enqueue as plain writes (no WATCH, no read whose answer it needs, no
+  script of its own). :func:`capture_enqueue` checks both on every call, in a pipeline that
+  cannot reach the server; :func:`fused_enqueue_problem` runs it once per queue class when a
+  queue is declared, so a release that breaks it is reported (one INFO line) and the queue
+  reserves in its own round trip, then enqueues with RQ's own code.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any, Final
+
+import redis
+import rq.exceptions
+import rq.job
+from redis.client import Pipeline
+from rq.job import Job, JobStatus
+from rq.queue import Queue
+from rq.worker import Worker
+
+from ..events import logger
+
+if TYPE_CHECKING:
+    from rq.executions import Execution
+
+__all__ = [
+    "DEAD_STATUSES", "NOT_STARTED", "CaptureRefused", "DuplicateJobError", "capture_enqueue",
+    "cleanup_execution", "execution_args", "execution_kwargs", "fused_enqueue_problem",
+    "has_dependencies", "has_rate_limit", "is_async", "is_job_id", "mark_finished", "requeue",
+    "save_success", "say_public_path", "stopped_job_id",
+]
+
+
+# -- names that only some releases have --------------------------------------------------------
+
+
+class _NoDuplicateJobError(Exception):
+    """Stands for ``rq.exceptions.DuplicateJobError`` on RQ releases without ``unique=True``
+    (before 2.7): never raised."""
+
+
+DuplicateJobError: Final[type[Exception]] = getattr(
+    rq.exceptions, "DuplicateJobError", _NoDuplicateJobError
+)
+
+_JOB_ID_PATTERN: Final[re.Pattern[str]] = getattr(
+    rq.job, "JOB_ID_PATTERN", re.compile(r"[A-Za-z0-9_-]+")
+)
+
+
+def _statuses(*names: str) -> frozenset[JobStatus]:
+    """The members of ``JobStatus`` with these names that this RQ release has."""
+    return frozenset(getattr(JobStatus, name) for name in names if hasattr(JobStatus, name))
+
+
+DEAD_STATUSES: Final = _statuses("FINISHED", "FAILED", "STOPPED", "CANCELED")
+"""Statuses of a job that has ended."""
+NOT_STARTED: Final = _statuses(
+    "CREATED", "QUEUED", "SCHEDULED", "DEFERRED", "READY_TO_ENQUEUE", "RATE_LIMITED"
+)
+"""Statuses of a job that has not started (RQ 3.0 adds the last two)."""
+
+
+def is_job_id(value: str) -> bool:
+    """Whether ``value`` can be an RQ job id (as RQ 2.7+ validates them)."""
+    return bool(_JOB_ID_PATTERN.fullmatch(value))
+
+
+def has_rate_limit(job: Job) -> bool:
+    """Whether ``job`` is rate limited (RQ 3.0's ``rate_limit=``; no such thing before)."""
+    return bool(getattr(job, "has_rate_limit", False))
+
+
+def has_dependencies(job: Job) -> bool:
+    """Whether ``job`` depends on other jobs (RQ WATCHes those when it enqueues it)."""
+    return bool(job._dependency_ids)
+
+
+def is_async(queue: Queue) -> bool:
+    """Whether ``queue`` hands jobs to workers (``is_async=True``) or runs them at once."""
+    return bool(queue._is_async)
+
+
+# -- job internals the worker and the synchronous queue set ------------------------------------
+
+
+def mark_finished(job: Job, result: Any) -> None:
+    """Give ``job`` a return value and the FINISHED status in memory (RQ's own perform_job
+    sets the same two attributes before ``handle_job_success`` saves them)."""
+    job._result = result
+    job._status = JobStatus.FINISHED
+
+
+def save_success(job: Job, result_ttl: int, pipeline: Pipeline) -> None:
+    """RQ's own bookkeeping of a finished job (status, result, registries) on ``pipeline``."""
+    job._handle_success(result_ttl=result_ttl, pipeline=pipeline, worker_name="")
+
+
+def requeue(queue: Queue, job: Job, pipeline: Pipeline) -> None:
+    """Queue ``job`` again as RQ's own ``Retry`` does (no dependency checks)."""
+    queue._enqueue_job(job, pipeline=pipeline)
+
+
+def stopped_job_id(worker: Worker) -> str | None:
+    """The id of the job this worker was told to stop (``rq`` ``send_stop_job_command``)."""
+    value = getattr(worker, "_stopped_job_id", None)
+    return value if isinstance(value, str) else None
+
+
+# -- worker methods: RQ 3.0 passes the Execution, RQ 2.x does not ------------------------------
+
+
+def _takes_execution(method: Callable[..., Any]) -> bool:
+    return "execution" in inspect.signature(method).parameters
+
+
+_PASSES_EXECUTION: Final = frozenset(
+    name for name in ("perform_job", "handle_job_success", "handle_job_retry",
+                      "handle_job_failure", "monitor_work_horse", "cleanup_execution")
+    if _takes_execution(getattr(Worker, name))
+)
+
+
+def execution_args(method: str, execution: Execution | None) -> tuple[Any, ...]:
+    """The trailing ``execution`` argument of RQ's ``Worker.<method>``: ``(execution,)`` where
+    this release takes one, else ``()``."""
+    return (execution,) if method in _PASSES_EXECUTION else ()
+
+
+def execution_kwargs(method: str, execution: Execution | None) -> dict[str, Any]:
+    """``{"execution": execution}`` where RQ's ``Worker.<method>`` takes one, else ``{}``."""
+    return {"execution": execution} if method in _PASSES_EXECUTION else {}
+
+
+def cleanup_execution(
+    worker: Worker, job: Job, pipeline: Pipeline, execution: Execution | None
+) -> None:
+    """RQ's ``cleanup_execution`` with or without the ``execution`` argument."""
+    worker.cleanup_execution(
+        job, pipeline=pipeline, **execution_kwargs("cleanup_execution", execution)
+    )
+
+
+# -- the one-round-trip enqueue: RQ's commands, captured -----------------------------------------
+
+
+PLAIN_WRITES: Final = frozenset({
+    "SADD", "SREM", "HSET", "HMSET", "HSETNX", "HDEL", "HINCRBY", "SET", "SETEX", "PSETEX", "DEL",
+    "UNLINK", "EXPIRE", "PEXPIRE", "EXPIREAT", "PEXPIREAT", "PERSIST", "RPUSH", "LPUSH", "LREM",
+    "ZADD", "ZREM",
+})
+"""Commands that may run inside ``enqueue.lua``: writes whose answer RQ does not read (it
+never reads a pipeline's answers when it enqueues into a caller's pipeline)."""
+
+
+class _Immediate(Exception):
+    """RQ tried to send a command at once (a WATCH, or a command after one)."""
+
+
+class _CapturePipeline(Pipeline):
+    """A pipeline that only collects commands: sending one at once (what redis-py does after a
+    WATCH) or executing is refused, so nothing of a capture can reach the server."""
+
+    def immediate_execute_command(self, *args: Any, **options: Any) -> Any:
+        raise _Immediate(str(args[0]) if args else "?")
+
+    def execute(self, raise_on_error: bool = True) -> list[Any]:
+        raise _Immediate("EXEC")
+
+
+class CaptureRefused(Exception):
+    """RQ's enqueue cannot ride in the script; the message says why (for the INFO line)."""
+
+
+def _capture_pipeline(connection: redis.Redis) -> Pipeline:
+    return _CapturePipeline(connection.connection_pool, connection.response_callbacks, True, None)
+
+
+def capture_enqueue(
+    connection: redis.Redis, write: Callable[[Pipeline], Any]
+) -> list[Sequence[Any]]:
+    """The commands ``write`` (RQ's enqueue or schedule into a pipeline) queues, checked to be
+    plain writes that ``enqueue.lua`` can run; nothing is sent to the server.
+
+    Raises:
+        CaptureRefused: redis-py or RQ changed in a way the script cannot follow (the caller
+            enqueues by the public path instead).
+    """
+    pipe = _capture_pipeline(connection)
+    try:
+        try:
+            write(pipe)
+        except _Immediate as exc:
+            raise CaptureRefused(f"RQ's enqueue sends {exc} at once (a WATCH)") from None
+        stack = getattr(pipe, "command_stack", None)
+        if not isinstance(stack, list):
+            raise CaptureRefused("redis-py's Pipeline has no command_stack list")
+        if getattr(pipe, "watching", False):  # MULTI alone is fine: the script is atomic
+            raise CaptureRefused("RQ's enqueue WATCHes keys (it reads before it writes)")
+        commands: list[Sequence[Any]] = []
+        for entry in stack:
+            command = entry[0] if isinstance(entry, tuple) and entry else None
+            name = command[0] if isinstance(command, tuple) and command else None
+            if not isinstance(name, str) or name.upper() not in PLAIN_WRITES:
+                raise CaptureRefused(
+                    f"RQ's enqueue queues {name or entry!r}, not a plain write a script can run"
+                )
+            assert isinstance(command, tuple)
+            commands.append(command)
+        return commands
+    finally:
+        pipe.reset()
+
+
+_PROBE_FUNC: Final = "taskdedup.rq._compat.fused_enqueue_problem"
+_checked: dict[type[Job], str | None] = {}
+_said: set[str] = set()
+
+
+def _probe(job_class: type[Job], connection: redis.Redis) -> str | None:
+    """Why RQ's own enqueue and schedule of a probe job cannot ride in the script, or None."""
+    queue = Queue("taskdedup-probe", connection=connection, job_class=job_class)
+    job = queue.create_job(_PROBE_FUNC, job_id="taskdedup-probe")
+    try:
+        pushed = capture_enqueue(connection, lambda pipe: queue.enqueue_job(job, pipeline=pipe))
+        capture_enqueue(connection,
+                        lambda pipe: queue.schedule_job(job, datetime.now(UTC), pipeline=pipe))
+    except CaptureRefused as exc:
+        return str(exc)
+    except Exception as exc:  # any other surprise: the public path, and say what it was
+        return f"capturing RQ's enqueue failed: {type(exc).__name__}: {exc}"
+    if not any(str(cmd[0]).upper() in ("RPUSH", "LPUSH") and str(cmd[-1]) == job.id
+               for cmd in pushed):
+        return "RQ's enqueue does not push the job id in its pipeline"
+    return None
+
+
+def fused_enqueue_problem(queue: Queue) -> str | None:
+    """Why this queue cannot reserve inside RQ's own enqueue (None: it can).
+
+    Checked once per job class and process, when the first such queue is declared: RQ's
+    enqueue and schedule of a probe job into a capture pipeline (nothing reaches the server)
+    must queue only plain writes, and push the job. The first time a reason is found, one INFO
+    line says it; the queue then reserves in its own round trip and enqueues with RQ's code.
+    """
+    job_class = queue.job_class
+    if job_class not in _checked:
+        _checked[job_class] = _probe(job_class, queue.connection)
+    problem = _checked[job_class]
+    if problem is not None:
+        say_public_path(problem)
+    return problem
+
+
+def say_public_path(problem: str) -> None:
+    """Log, once per reason and process, why enqueues take the public path."""
+    if problem not in _said:
+        _said.add(problem)
+        logger.info(
+            "taskdedup: DedupQueue reserves in its own round trip, then enqueues with RQ's own "
+            "code (2 round trips instead of 1): %s", problem,
+        )

@@ -1,0 +1,406 @@
+"""``DedupQueue``: RQ's enqueue methods behind the gate; one round trip where the locks live
+in the queue's own Redis (the reservation rides in the script that writes and queues the job).
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from datetime import datetime
+from typing import Any, Final
+
+import redis
+from redis.client import Pipeline
+from redis.cluster import RedisCluster
+from rq.defaults import DEFAULT_RESULT_TTL
+from rq.exceptions import InvalidJobOperation, NoSuchJobError
+from rq.job import Job, JobStatus
+from rq.queue import Queue
+from rq.timeouts import BaseDeathPenalty, UnixSignalDeathPenalty
+from rq.utils import now
+
+from ..core import Deduplicator, GateResult, Identity, Verdict, resolve_duplicate
+from ..events import logger
+from ..exceptions import ConfigurationError, DuplicateTaskError, StoreUnavailableError
+from ..policy import OnDuplicate, Policy, PolicyLike, is_disabled
+from ..stores.base import LockState, Store
+from ..stores.redis import RedisStore, may_have_run, reserve_and_run
+from . import _compat
+from .call import alive, decode_hash, delay_seconds, task_of
+from .config import get_deduplicator
+from .job import DedupJob
+from .meta import META_KEY, guard_of, meta_entry, skip_result
+
+__all__ = ["DedupQueue"]
+
+_WORKFLOW_OPTIONS: Final = ("depends_on", "on_success", "on_failure", "on_stopped")
+_CREATE_JOB_PARAMS: Final = frozenset(inspect.signature(Queue.create_job).parameters) - {"self"}
+_ENQUEUE_CALL_SIGNATURE: Final = inspect.signature(Queue.enqueue_call)
+
+
+class DedupQueue(Queue):
+    """An RQ queue whose ``enqueue``, ``enqueue_call``, ``enqueue_at`` and ``enqueue_in`` are
+    gated per :class:`taskdedup.Policy`.
+
+    Args:
+        dedup: the queue's default policy (a Policy or a dict of its fields); ``None`` means
+            ``Policy()``, ``False`` turns gating off unless a call passes ``dedup=``.
+        dedup_store: where locks live (a Store, a ``redis.Redis`` or a URL); default the
+            ``TASKDEDUP_URL`` environment variable, else the queue's own connection.
+        dedup_prefix: the first component of lock keys (default ``taskdedup``).
+
+    The other arguments are RQ's. Per call, the enqueue methods also take ``dedup=``
+    (a Policy, a dict, or ``False`` to bypass both the gate and the worker guard) and
+    ``dedup_key=`` (an explicit idempotency key); both are removed before RQ sees the call.
+
+    Raises:
+        ConfigurationError: ``dedup`` or ``dedup_store`` is invalid.
+    """
+
+    job_class: type[Job] = DedupJob
+    heal_grace: float = 1.0
+    """Seconds a duplicate enqueue waits for a queued holder's job to appear before it calls
+    the lock stale (a holder reserves, then writes its job: this covers that gap)."""
+
+    def __init__(
+        self,
+        name: str = "default",
+        connection: redis.Redis | None = None,
+        default_timeout: int | None = None,
+        is_async: bool = True,
+        job_class: str | type[Job] | None = None,
+        serializer: Any = None,
+        death_penalty_class: type[BaseDeathPenalty] | None = UnixSignalDeathPenalty,
+        *,
+        dedup: PolicyLike = None,
+        dedup_store: Store | redis.Redis | str | None = None,
+        dedup_prefix: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            name, connection=connection, default_timeout=default_timeout, is_async=is_async,
+            job_class=job_class, serializer=serializer, death_penalty_class=death_penalty_class,
+            **kwargs,
+        )
+        self.dedup_policy: Policy | None = Policy() if dedup is None else Policy.coerce(dedup)
+        try:
+            self.dedup: Deduplicator = get_deduplicator(self.connection, dedup_store, dedup_prefix)
+        except ValueError as exc:  # a bad prefix
+            raise ConfigurationError(f"DedupQueue({name!r}): {exc}") from exc
+        self._one_round_trip = self._shares_the_store() and (
+            _compat.fused_enqueue_problem(self) is None
+        )
+
+    def _shares_the_store(self) -> bool:
+        """Whether the locks live in this queue's Redis (same connection pool), which is not
+        a Cluster, and jobs are queued for workers: then a reservation can ride in the
+        script that writes and queues the job."""
+        store = self.dedup.store
+        return (
+            _compat.is_async(self)
+            and isinstance(store, RedisStore)
+            and not isinstance(self.connection, RedisCluster)
+            and getattr(store.client, "connection_pool", None)
+            is getattr(self.connection, "connection_pool", False)
+        )
+
+    # -- jobs know their deduplicator ------------------------------------------------------
+
+    def create_job(self, *args: Any, **kwargs: Any) -> Job:
+        """RQ's ``create_job``; a DedupJob also learns this queue's deduplicator (its store)."""
+        job = super().create_job(*args, **kwargs)
+        if isinstance(job, DedupJob):
+            job._taskdedup = self.dedup
+        return job
+
+    def fetch_job(self, job_id: str) -> Job | None:
+        """RQ's ``fetch_job``; a DedupJob also learns this queue's deduplicator (its store)."""
+        job = super().fetch_job(job_id)
+        if isinstance(job, DedupJob):
+            job._taskdedup = self.dedup
+        return job
+
+    # -- the gated entry points --------------------------------------------------------------
+
+    def enqueue(self, f: Any, *args: Any, **kwargs: Any) -> Job | None:  # type: ignore[override]
+        """``Queue.enqueue`` behind the gate; ``None`` for a dropped duplicate."""
+        dedup, dedup_key = kwargs.pop("dedup", None), kwargs.pop("dedup_key", None)
+        params = Queue.parse_args(f, *args, **kwargs)._asdict()
+        return self._gated(params, dedup, dedup_key, None)
+
+    def enqueue_call(  # type: ignore[override]
+        self, func: Any, args: Any = None, kwargs: Any = None, *more: Any,
+        dedup: PolicyLike = None, dedup_key: Any = None, **options: Any,
+    ) -> Job | None:
+        """``Queue.enqueue_call`` behind the gate; ``None`` for a dropped duplicate."""
+        bound = _ENQUEUE_CALL_SIGNATURE.bind(self, func, args, kwargs, *more, **options)
+        bound.apply_defaults()
+        params = dict(bound.arguments)
+        del params["self"]
+        return self._gated(params, dedup, dedup_key, None)
+
+    def enqueue_at(self, datetime: datetime, f: Any, *args: Any, **kwargs: Any) -> Job | None:
+        """``Queue.enqueue_at`` behind the gate: the reservation lives ``ttl`` + the delay.
+
+        ``enqueue_in`` goes through here too.
+        """
+        dedup, dedup_key = kwargs.pop("dedup", None), kwargs.pop("dedup_key", None)
+        params = Queue.parse_args(f, *args, **kwargs)._asdict()
+        return self._gated(params, dedup, dedup_key, datetime)
+
+    def _gated(
+        self, params: dict[str, Any], override: PolicyLike, dedup_key: Any, when: datetime | None
+    ) -> Job | None:
+        """Gate one call (RQ's parsed enqueue options in ``params``), then create and queue
+        (or schedule, ``when``) its job as RQ's own enqueue methods do."""
+        pipeline, unique = params.pop("pipeline", None), bool(params.pop("unique", False))
+        at_front = bool(params.pop("at_front", False))
+        job_id: str | None = params.get("job_id")
+        if unique and not job_id:
+            raise ValueError("unique=True requires an explicit job_id")
+        func = params["func"]
+        create = {k: v for k, v in params.items() if k in _CREATE_JOB_PARAMS}
+        create["status"] = JobStatus.QUEUED if when is None else JobStatus.SCHEDULED
+
+        def publish(job: Job, pipe: Pipeline | None = pipeline) -> Job:
+            """RQ's own enqueue (or schedule) of ``job`` (``unique`` only where RQ has it)."""
+            extra = {"unique": True} if unique else {}
+            if when is None:
+                return self.enqueue_job(job, pipeline=pipe, at_front=at_front, **extra)
+            if at_front:
+                job.enqueue_at_front = True
+            return self.schedule_job(job, when, pipeline=pipe, **extra)
+
+        policy = self.dedup_policy if override is None else Policy.coerce(override)
+        if policy is None or is_disabled():
+            create["meta"] = {**(params.get("meta") or {}), META_KEY: {"off": True}}
+            return publish(self.create_job(**create))
+        if pipeline is not None:
+            raise ValueError(
+                "DedupQueue: pipeline= cannot be combined with the dedup gate (the reservation "
+                "must be answered before the job is queued); enqueue without pipeline=, or "
+                "pass dedup=False"
+            )
+
+        name, bind_to = task_of(func)
+        args, kwargs = params.get("args") or (), params.get("kwargs") or {}
+        identity = self.dedup.identity(name, policy, args, kwargs, func=bind_to,
+                                       dedup_key=dedup_key)
+        owner = job_id or str(uuid.uuid4())
+        create["job_id"] = owner
+        create["meta"] = {**(params.get("meta") or {}),
+                          META_KEY: meta_entry(name, identity.key, policy)}
+        job = self.create_job(**create)  # RQ validates its options before anything is stored
+        if not policy.mode.gates_enqueue:
+            return publish(job)
+
+        if job_id is not None:
+            status = self._job_status(job_id)
+            if unique and status is not None:
+                return publish(job)  # RQ raises DuplicateJobError; the lock is that job's
+            if alive(status):
+                # The same job id re-enqueued while it is alive: a duplicate of itself.
+                return self._on_duplicate(policy, name, identity.key, job_id, params)
+
+        ttl_ms = self._reservation_ttl_ms(policy, when, params.get("ttl"))
+        if not unique and self._fuses(job):
+            commands = self._captured(job, publish)
+            if commands is not None:
+                return self._enqueue_fused(job, name, policy, identity, ttl_ms, commands,
+                                           params, publish)
+        result = self.dedup.gate(name, policy, identity, owner, ttl_ms=ttl_ms)
+        if result.verdict is Verdict.DUPLICATE and self._release_stale(name, identity, result):
+            result = self.dedup.gate(name, policy, identity, owner, ttl_ms=ttl_ms)
+        if result.verdict is Verdict.DUPLICATE:
+            return self._on_duplicate(policy, name, identity.key, result.existing_id, params)
+        if result.verdict is Verdict.REPLACED and result.existing_id:
+            self._cancel_replaced(result.existing_id)
+        try:
+            return publish(job)
+        except BaseException as exc:
+            if result.verdict is not Verdict.UNGUARDED and not (
+                isinstance(exc, _compat.DuplicateJobError) and self._job_alive(owner)
+            ):
+                self.dedup.release(name, identity.key, owner, reason="publish_failed")
+            raise
+
+    # -- one round trip: reserve inside RQ's own enqueue -------------------------------------
+
+    def _fuses(self, job: Job) -> bool:
+        """Whether this job's reservation can ride in the script that writes and queues it:
+        the queue passed its check when it was declared, and the job has no dependencies
+        (RQ WATCHes those) nor a rate limit (promoted in its own round trips)."""
+        return (
+            self._one_round_trip
+            and not _compat.has_dependencies(job)
+            and not _compat.has_rate_limit(job)
+        )
+
+    def _captured(
+        self, job: Job, publish: Callable[[Job, Pipeline | None], Job]
+    ) -> list[Any] | None:
+        """RQ's own enqueue (or schedule) commands for ``job``, captured without sending
+        anything; None (and the public path) if they cannot ride in the script."""
+        try:
+            return _compat.capture_enqueue(self.connection, lambda pipe: publish(job, pipe))
+        except _compat.CaptureRefused as exc:
+            _compat.say_public_path(str(exc))
+            return None
+
+    def _enqueue_fused(
+        self, job: Job, name: str, policy: Policy, identity: Identity, ttl_ms: int,
+        commands: list[Any], params: Mapping[str, Any], publish: Callable[[Job], Job],
+    ) -> Job | None:
+        """Reserve and enqueue in one Lua script (``enqueue.lua``), one round trip.
+
+        ``commands`` are RQ's own enqueue (or schedule) writes, captured in a pipeline that was
+        never executed; the script runs them only if the reservation is taken. A duplicate's
+        answer carries the original job's hash, so it costs no further round trip either. If
+        the script fails, nothing of it is left (it is atomic), so nothing is released: on a
+        lost reply the reservation and the job may both exist, and the caller's retry is
+        answered with that job.
+        """
+        owner = job.id
+        replace = policy.on_duplicate is OnDuplicate.REPLACE
+        peek = self.job_class.redis_job_namespace_prefix
+        for _attempt in range(2):
+            started = time.perf_counter()
+            try:
+                lock, peeked = reserve_and_run(self.connection, identity.key, owner, ttl_ms,
+                                               identity.check, replace, commands, peek)
+            except StoreUnavailableError as exc:
+                if may_have_run(exc):  # the queue's Redis is unreachable: as a plain enqueue
+                    raise
+                self.dedup.store_error(name, policy, identity.key, owner, exc, "enqueue")
+                return publish(job)  # on_store_error="allow": enqueued without dedup
+            result = self.dedup.verdict(name, identity, owner, lock,
+                                        time.perf_counter() - started)
+            if result.verdict is Verdict.REPLACED and result.existing_id:
+                self._cancel_replaced(result.existing_id)
+            if result.verdict is not Verdict.DUPLICATE:
+                return job
+            holder = decode_hash(peeked)
+            if not self._release_stale(name, identity, result, holder.get("status")):
+                break
+        return self._on_duplicate(policy, name, identity.key, result.existing_id, params,
+                                  holder)
+
+    # -- duplicates --------------------------------------------------------------------------
+
+    def _on_duplicate(
+        self, policy: Policy, name: str, key: str, existing_id: str | None,
+        params: Mapping[str, Any], holder: Mapping[str, Any] | None = None,
+    ) -> Job | None:
+        carried = [option for option in _WORKFLOW_OPTIONS if params.get(option)]
+        if existing_id is not None and not _compat.is_job_id(existing_id) and not carried:
+            raise DuplicateTaskError(
+                key, existing_id,
+                f"duplicate job {name}: {key} is held by {existing_id!r}, which is not an RQ "
+                "job id (another client's lock, e.g. Celery's, on the same identity)",
+            )
+        # An explicit job_id re-enqueued while alive is a duplicate of itself: "replace" has
+        # nothing to take the place of, so the job itself is returned.
+        itself = existing_id == params.get("job_id")
+        if resolve_duplicate(name, policy, key, existing_id, carried, unit="job",
+                             replace_raises=not itself):
+            assert existing_id is not None
+            return self._original(existing_id, holder)
+        return None
+
+    def _original(self, job_id: str, holder: Mapping[str, Any] | None = None) -> Job:
+        """The original job by id, from its hash when the gate's answer carried it (else
+        fetched); an unfetched handle if its data already expired."""
+        job = self.job_class(job_id, connection=self.connection, serializer=self.serializer)
+        try:
+            if holder:
+                job.restore(holder)
+            else:
+                job.refresh()  # type: ignore[no-untyped-call]
+        except NoSuchJobError:
+            job = self.job_class(job_id, connection=self.connection, serializer=self.serializer)
+        if isinstance(job, DedupJob):
+            job._taskdedup = self.dedup
+        return job
+
+    def _release_stale(
+        self, name: str, identity: Identity, result: GateResult, status: Any = None
+    ) -> bool:
+        """Free a queued reservation whose job no longer exists (or already ended), so the
+        caller may reserve again — only on the duplicate path. ``status``: the holder's job
+        status when the gate's answer carried it (``None``: unknown, or no such job)."""
+        existing = result.existing_id
+        if result.state is not LockState.QUEUED or not existing:
+            return False
+        if not _compat.is_job_id(existing):  # not an RQ job: not ours to judge stale
+            return False
+        if alive(status) or self._job_alive(existing, wait=self.heal_grace):
+            return False
+        if self.dedup.release(name, identity.key, existing, reason="stale", only_queued=True):
+            logger.info("taskdedup: released stale lock %s of vanished job %s", identity.key,
+                        existing)
+        return True
+
+    def _cancel_replaced(self, job_id: str) -> None:
+        """Cancel the queued original that a ``replace`` displaced (the claim fence covers a
+        cancel that comes too late)."""
+        try:
+            job = Job.fetch(job_id, connection=self.connection, serializer=self.serializer)
+            if job.get_status(refresh=False) in _compat.NOT_STARTED:
+                Job.cancel(job)  # RQ's cancel: the lock is already the new job's
+        except (NoSuchJobError, InvalidJobOperation) as exc:
+            logger.info("taskdedup: replaced job %s was not cancelled: %s", job_id, exc)
+
+    def _job_status(self, job_id: str) -> str | None:
+        raw = self.connection.hget(self.job_class.key_for(job_id), "status")
+        return raw.decode() if isinstance(raw, bytes) else raw
+
+    def _job_alive(self, job_id: str, wait: float = 0.0) -> bool:
+        """Whether ``job_id`` exists and has not ended, polling up to ``wait`` seconds."""
+        deadline = time.monotonic() + wait
+        while True:
+            if alive(self._job_status(job_id)):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+
+    @staticmethod
+    def _reservation_ttl_ms(policy: Policy, when: datetime | None, job_ttl: Any) -> int:
+        """``ttl`` + the scheduling delay, capped by RQ's job ``ttl`` (+1 s) when shorter."""
+        ttl_ms = policy.ttl_ms
+        if when is not None:
+            ttl_ms += int(delay_seconds(when) * 1000)
+        if isinstance(job_ttl, (int, float)) and not isinstance(job_ttl, bool) and job_ttl > 0:
+            ttl_ms = min(ttl_ms, int(job_ttl * 1000) + 1000)
+        return max(1, ttl_ms)
+
+    # -- synchronous queues (is_async=False) -----------------------------------------------
+
+    def run_job(self, job: Job) -> Job:
+        """Run a job in this process (``is_async=False``) behind the execution guard."""
+        guard = guard_of(job)
+        if guard is None:
+            return super().run_job(job)
+        dedup = self.dedup
+        result = dedup.start(guard.name, guard.policy, guard.key, job.id)
+        if result.verdict is Verdict.DUPLICATE:
+            _compat.mark_finished(job, skip_result(job, result))
+            job.ended_at = now()
+            result_ttl = job.get_result_ttl(default_ttl=DEFAULT_RESULT_TTL)
+            with self.connection.pipeline() as pipe:
+                _compat.save_success(job, result_ttl, pipe)
+                job.cleanup(result_ttl, pipeline=pipe)
+                pipe.execute()
+            return job
+        claimed = result.verdict is Verdict.ACCEPTED and guard.policy.mode.gates_execution
+        try:
+            job = super().run_job(job)
+        except BaseException:
+            if claimed:
+                dedup.release(guard.name, guard.key, job.id, reason="failed")
+            raise
+        if claimed:
+            dedup.finish(guard.name, guard.policy, guard.key, job.id, success=True)
+        return job

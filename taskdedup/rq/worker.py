@@ -1,0 +1,267 @@
+"""``DedupWorker``: claims the lock in the work-horse before the body runs, and completes,
+releases or re-reserves it from RQ's own success, failure and retry handlers."""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import redis
+from rq.job import Job, Retry
+from rq.queue import Queue
+from rq.registry import StartedJobRegistry
+from rq.utils import now
+from rq.worker import Worker
+
+from .. import stats
+from ..core import Deduplicator, GateResult, Identity, Verdict
+from ..events import logger
+from ..exceptions import StoreUnavailableError
+from ..policy import Mode
+from ..stores.base import Store
+from . import _compat
+from .config import get_deduplicator
+from .meta import Guard, guard_of, skip_result
+
+if TYPE_CHECKING:
+    from rq.executions import Execution
+
+__all__ = ["DedupWorker"]
+
+
+class DedupWorker(Worker):
+    """An RQ worker that guards jobs carrying taskdedup meta: ``rq worker -w
+    taskdedup.rq.DedupWorker``.
+
+    Args:
+        dedup_store: where locks live (a Store, a ``redis.Redis`` or a URL); default the
+            ``TASKDEDUP_URL`` environment variable, else the worker's connection. It must be
+            the store the queues use.
+
+    In the work-horse, before the body: claim the lock. A duplicate is not run: the job
+    FINISHES with ``skipped_info(job)`` set and a ``{"taskdedup": "skipped duplicate", ...}``
+    result, without ``on_success`` callbacks or webhooks. If the store is down and the job's
+    policy says ``on_store_error='raise'``, the job is put back (scheduled in
+    :attr:`store_retry_delay` seconds when a scheduler serves the queue, else re-queued at the
+    back after that delay) without running and without counting as a failure or a retry.
+
+    RQ 3.x passes an ``Execution`` to the methods below and RQ 2.x does not; they take it
+    optionally and hand it on only where RQ expects it.
+    """
+
+    store_retry_delay: float = 5.0
+    """Seconds before a job whose lock could not be claimed (store down) is tried again."""
+
+    def __init__(self, *args: Any, dedup_store: Store | redis.Redis | str | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.dedup: Deduplicator = get_deduplicator(self.connection, dedup_store)
+        self._dedup_pid = os.getpid()
+        self._dedup_claims: dict[str, Guard] = {}
+
+    def perform_job(self, job: Job, queue: Queue, execution: Execution | None = None) -> bool:
+        """Claim the lock (in the work-horse), then run the job as RQ does; skip duplicates."""
+        try:
+            return self._perform_guarded(job, queue, execution)
+        finally:
+            if os.getpid() != self._dedup_pid:  # a work-horse ends with os._exit: no atexit
+                self._hand_stats_to_worker()
+
+    # -- the horse's counters go to the worker process, not to Redis -----------------------
+
+    def fork_work_horse(self, job: Job, queue: Queue) -> None:
+        """RQ's fork, with a pipe over which the horse hands its counters back."""
+        read_end, write_end = os.pipe()
+        os.set_blocking(read_end, False)
+        self._stats_pipe: int | None = write_end
+        try:
+            super().fork_work_horse(job, queue)  # the horse never returns from here
+        finally:
+            os.close(write_end)
+            self._stats_pipe = None
+        self._stats_read: int | None = read_end
+
+    def monitor_work_horse(
+        self, job: Job, queue: Queue, execution: Execution | None = None
+    ) -> None:
+        """RQ's monitoring; then the horse's counters join this process's (flushed with its
+        own every few seconds: no stats round trip per job)."""
+        try:
+            super().monitor_work_horse(
+                job, queue, *_compat.execution_args("monitor_work_horse", execution)
+            )
+        finally:
+            self._take_stats_from_horse()
+
+    def _hand_stats_to_worker(self) -> None:
+        fd = getattr(self, "_stats_pipe", None)
+        payload = stats.hand_over() if fd is not None else None
+        try:
+            if payload:
+                os.write(fd, payload)  # type: ignore[arg-type]  # an empty pipe takes 32 KB
+        except OSError:
+            stats.take_over(payload)  # type: ignore[arg-type]  # back to this process's recorders
+            payload = None
+        finally:
+            if fd is not None:
+                os.close(fd)
+        if payload is None:
+            stats.flush_all()
+
+    def _take_stats_from_horse(self) -> None:
+        fd = getattr(self, "_stats_read", None)
+        if fd is None:
+            return
+        self._stats_read = None
+        chunks = []
+        try:
+            while True:  # non-blocking: whatever the horse wrote before it ended
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+        except BlockingIOError:  # a grandchild still holds the write end: no EOF, all read
+            pass
+        finally:
+            os.close(fd)
+        if chunks:
+            stats.take_over(b"".join(chunks))
+
+    # -- the guard -------------------------------------------------------------------------
+
+    def _perform_guarded(self, job: Job, queue: Queue, execution: Execution | None) -> bool:
+        guard = guard_of(job)
+        run = _compat.execution_args("perform_job", execution)
+        if guard is None:
+            return bool(super().perform_job(job, queue, *run))
+        try:
+            result = self.dedup.start(guard.name, guard.policy, guard.key, job.id)
+        except StoreUnavailableError as exc:
+            self._retry_later(job, queue, execution, guard, exc)
+            return False
+        if result.verdict is Verdict.DUPLICATE:
+            self._skip(job, queue, execution, result)
+            return True
+        if result.verdict is Verdict.ACCEPTED and guard.policy.mode.gates_execution:
+            self._dedup_claims[job.id] = guard
+        try:
+            return bool(super().perform_job(job, queue, *run))
+        finally:
+            if self._dedup_claims.pop(job.id, None) is not None:
+                self.dedup.stop_heartbeat(guard.key, job.id)
+
+    def handle_job_success(
+        self, job: Job, queue: Queue, started_job_registry: StartedJobRegistry,
+        execution: Execution | None = None,
+    ) -> None:
+        """Complete the lock (or keep it for a pending ``Repeat``), then record success."""
+        guard = self._dedup_claims.pop(job.id, None)
+        if guard is not None:
+            if job.repeats_left:
+                interval = job.repeat_intervals[0] if job.repeat_intervals else 0
+                self._rereserve(guard, job, float(interval))
+            else:
+                self.dedup.finish(guard.name, guard.policy, guard.key, job.id, success=True)
+        super().handle_job_success(
+            job, queue, started_job_registry,
+            *_compat.execution_args("handle_job_success", execution),
+        )
+
+    def handle_job_retry(
+        self, job: Job, queue: Queue, retry: Retry, started_job_registry: StartedJobRegistry,
+        execution: Execution | None = None,
+    ) -> None:
+        """A job returned ``Retry``: keep the lock for the retry, or release it at the last."""
+        self._dedup_claims.pop(job.id, None)
+        guard = guard_of(job)
+        if guard is not None:
+            if job.number_of_retries and job.number_of_retries >= retry.max:
+                self.dedup.release(guard.name, guard.key, job.id, reason="failed")
+            else:
+                interval = Retry.get_interval(job.number_of_retries or 0, retry.intervals)
+                self._rereserve(guard, job, float(interval))
+        super().handle_job_retry(
+            job, queue, retry, started_job_registry,
+            *_compat.execution_args("handle_job_retry", execution),
+        )
+
+    def handle_job_failure(
+        self, job: Job, queue: Queue, started_job_registry: StartedJobRegistry | None = None,
+        exc_string: str = "", execution: Execution | None = None,
+    ) -> None:
+        """Release the lock on a final failure, re-reserve it for a ``Retry``; then RQ's.
+
+        Also runs in the main process when the work-horse died (killed, out of memory, hard
+        timeout): the key comes from the job's meta, the release is fenced by the job id.
+        """
+        self._dedup_claims.pop(job.id, None)
+        guard = guard_of(job)
+        if guard is not None:
+            stopped = _compat.stopped_job_id(self) == job.id
+            if job.should_retry and not stopped:
+                self._rereserve(guard, job, float(job.get_retry_interval()))
+            else:
+                self.dedup.release(guard.name, guard.key, job.id,
+                                   reason="stopped" if stopped else "failed")
+        super().handle_job_failure(
+            job, queue, started_job_registry=started_job_registry, exc_string=exc_string,
+            **_compat.execution_kwargs("handle_job_failure", execution),
+        )
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _rereserve(self, guard: Guard, job: Job, interval: float) -> None:
+        """Keep the lock owned by this job id, queued for ``ttl`` + ``interval``: the retry
+        runs, and a third party's duplicate meanwhile is still suppressed."""
+        dedup = self.dedup
+        if guard.policy.mode is Mode.WHILE_EXECUTING:  # not executing meanwhile
+            dedup.release(guard.name, guard.key, job.id, reason="retry")
+            return
+        dedup.stop_heartbeat(guard.key, job.id)
+        ttl_ms = guard.policy.ttl_ms + int(interval * 1000)
+        try:
+            result = dedup.gate(guard.name, guard.policy, Identity(guard.key), job.id,
+                                ttl_ms=ttl_ms)
+        except StoreUnavailableError as exc:
+            logger.warning("taskdedup: could not keep the lock of %s[%s] for its retry: %s",
+                           guard.name, job.id, exc)
+            return
+        if result.verdict is Verdict.DUPLICATE:
+            logger.info("taskdedup: %s[%s] will retry, but %s holds its identity now",
+                        guard.name, job.id, result.existing_id)
+
+    def _skip(
+        self, job: Job, queue: Queue, execution: Execution | None, result: GateResult
+    ) -> None:
+        """Finish a duplicate without running its body (not a failure; no callbacks)."""
+        self.prepare_job_execution(job, remove_from_intermediate_queue=len(self.queues) == 1)
+        job.started_at = now()
+        self.handle_execution_ended(job, queue, job.success_callback_timeout)
+        _compat.mark_finished(job, skip_result(job, result))
+        self.handle_job_success(job=job, queue=queue,
+                                started_job_registry=queue.started_job_registry,
+                                execution=execution)
+
+    def _retry_later(
+        self, job: Job, queue: Queue, execution: Execution | None, guard: Guard,
+        exc: StoreUnavailableError,
+    ) -> None:
+        """Put the job back without running it: never run unguarded, never dropped."""
+        delay = self.store_retry_delay
+        scheduler = queue.scheduler_pid is not None
+        logger.warning(
+            "taskdedup: store unavailable before %s[%s]; %s in %ss (not run): %s",
+            guard.name, job.id, "rescheduled" if scheduler else "re-queued", delay, exc,
+        )
+        if not scheduler:
+            time.sleep(delay)
+        with self.connection.pipeline() as pipe:
+            _compat.cleanup_execution(self, job, pipe, execution)
+            pipe.lrem(queue.intermediate_queue_key, 1, job.id)
+            if scheduler:
+                queue.schedule_job(job, now() + timedelta(seconds=delay), pipeline=pipe)
+            else:
+                _compat.requeue(queue, job, pipe)  # as RQ's own Retry re-queues
+            pipe.execute()
