@@ -122,7 +122,7 @@ def fused_producer(app: Celery, producer: Any = None) -> AbstractContextManager[
         pool = pools.producers[app.connection_for_write(transport=RedisTransport)]
         pool.limit = app.pool.limit
         held = app.__dict__["_taskdedup_producers"] = (pid, pool)
-    timeout = app.conf.broker_pool_acquire_timeout
+    timeout = app.conf.get("broker_pool_acquire_timeout")  # a setting of Celery 5.7 only
     return held[1].acquire(block=True, timeout=timeout)  # type: ignore[no-any-return]
 
 

@@ -1,0 +1,135 @@
+"""What taskdedup relies on in kombu is checked when the app is configured; without it the
+app takes the public path. And a publish that kombu retries after a lost reply: never an
+error after publishing, never a second copy."""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from kombu.transport import redis as kombu_redis
+
+from taskdedup import Policy
+from taskdedup.celery import DedupTask, RedisTransport, _compat, get_deduplicator
+
+RENAMED = "_queue_for_priority"
+
+
+def make_app(url: str, queue: str, **conf: Any) -> Celery:
+    app = Celery("compat", broker=url, set_as_current=False)
+    app.conf.update(task_default_queue=queue, task_ignore_result=True, taskdedup_stats=False,
+                    **conf)
+    return app
+
+
+def declare(app: Celery, name: str) -> Any:
+    def body(x: Any) -> Any:
+        return x
+
+    return app.task(base=DedupTask, name=name, dedup=Policy(ttl=60), shared=False)(body)
+
+
+def queued(client: redis.Redis, queue: str) -> list[str]:
+    return [json.loads(m)["headers"]["id"] for m in client.lrange(queue, 0, -1)]
+
+
+@pytest.fixture
+def renamed_internal(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A kombu release that renamed ``Channel._q_for_pri`` (its own ``_put``/``_size``
+    follow)."""
+    original = kombu_redis.Channel._q_for_pri
+
+    def _put(self: Any, queue: str, message: Any, **kwargs: Any) -> None:
+        priority = self._get_message_priority(message, reverse=False)
+        with self.conn_or_acquire() as client:
+            client.lpush(getattr(self, RENAMED)(queue, priority), json.dumps(message))
+
+    def _size(self: Any, queue: str) -> int:
+        with self.conn_or_acquire() as client:
+            return sum(client.llen(getattr(self, RENAMED)(queue, pri))
+                       for pri in self.priority_steps)
+
+    monkeypatch.setattr(kombu_redis.Channel, RENAMED, original, raising=False)
+    monkeypatch.setattr(kombu_redis.Channel, "_size", _size)
+    monkeypatch.delattr(kombu_redis.Channel, "_q_for_pri")
+    monkeypatch.setattr(kombu_redis.Channel, "_put", _put)
+    yield
+
+
+@pytest.mark.parametrize("checked", [True, False], ids=["checked", "unchecked"])
+def test_a_missing_kombu_internal_takes_the_public_path_with_one_info_line(
+    redis_url: str, redis_client: redis.Redis, renamed_internal: None,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, checked: bool,
+) -> None:
+    """Issue #10 item 2: with ``_q_for_pri`` gone the fused push cannot name the queue; the
+    check made when the task is bound sends the app down the public path (reserve, then
+    kombu's own publish): ``delay()`` works and dedups, one INFO line says why. Unchecked
+    (the control), the same call fails."""
+    if not checked:
+        monkeypatch.setattr(_compat, "fused_push_missing", lambda channel=None: None)
+    queue = f"compat-{uuid.uuid4().hex[:8]}"
+    app = make_app(redis_url, queue)
+    task = declare(app, "compat.renamed")
+    try:
+        with caplog.at_level(logging.INFO, logger="taskdedup"):
+            if not checked:
+                with pytest.raises(AttributeError, match="_q_for_pri"):
+                    task.delay(1)
+                return
+            first = task.delay(1)
+            again = task.delay(1)
+            other = task.delay(2)
+        assert again.id == first.id and other.id != first.id
+        assert sorted(queued(redis_client, queue)) == sorted([first.id, other.id])
+        why = [r for r in caplog.records if "has no _q_for_pri" in r.getMessage()]
+        assert len(why) == 1 and why[0].levelno == logging.INFO
+    finally:
+        redis_client.delete(queue)
+        app.close()
+
+
+def test_the_check_finds_what_this_kombu_has() -> None:
+    assert _compat.fused_push_missing(kombu_redis.Channel) is None
+    assert _compat.fused_push_missing(RedisTransport.Channel) is None
+
+
+def test_a_publish_retried_after_a_lost_reply_pushes_the_message_once(
+    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Celery's ``task_publish_retry``: the script ran but its reply was lost (the connection
+    broke). kombu retries the publish as it would a plain one; the resent script finds this
+    owner's queued lock and pushes nothing again: one message, the caller gets its handle."""
+    queue = f"compat-retry-{uuid.uuid4().hex[:8]}"
+    app = make_app(redis_url, queue)
+    task = declare(app, "compat.retry")
+    original = redis.Redis.execute_command
+    lost: list[str] = []
+
+    def lose_first_reply(client: redis.Redis, *args: Any, **options: Any) -> Any:
+        reply = original(client, *args, **options)
+        if str(args[0]).upper() in ("EVALSHA", "EVAL") and not lost:
+            lost.append(str(args[0]))
+            raise redis.ConnectionError("connection lost after the command ran (test)")
+        return reply
+
+    try:
+        task.delay(0)  # connects, loads the script
+        monkeypatch.setattr(redis.Redis, "execute_command", lose_first_reply)
+        handle = task.delay(1)
+        monkeypatch.undo()
+        assert lost == ["EVALSHA"]
+        assert queued(redis_client, queue).count(handle.id) == 1
+        assert len(queued(redis_client, queue)) == 2
+        key = get_deduplicator(app).identity("compat.retry", task._dedup_policy, (1,), {},
+                                             func=task._func()).key
+        assert redis_client.get(key) == f"Q||{handle.id}".encode()
+        assert task.delay(1).id == handle.id
+    finally:
+        redis_client.delete(queue)
+        app.close()
