@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 import redis
+import rq.exceptions
 from rq import Callback, Queue, Repeat
-from rq.exceptions import DuplicateJobError
 from rq.job import Job, Retry, cancel_job
 
 from taskdedup import (
@@ -577,6 +577,22 @@ def test_a_stale_lock_whose_job_was_deleted_or_cancelled_by_plain_rq_heals_on_ne
     assert idle.count == 2
 
 
+def test_an_explicit_job_id_works_beside_the_gate(idle: DedupQueue, rc: redis.Redis) -> None:
+    name, jid = label(), f"jid-{label()}"
+    first = idle.enqueue(rq_jobs.record, name, job_id=jid)
+    assert first is not None and first.id == jid
+    key = key_of(idle, rq_jobs.record, name)
+    assert lock(rc, key) == f"Q||{jid}"
+    other = idle.enqueue(rq_jobs.record, name, job_id=f"other-{label()}")
+    assert other is not None and other.id == jid  # same identity: the original
+    again = idle.enqueue(rq_jobs.record, name, job_id=jid)  # same id, alive: a duplicate
+    assert again is not None and again.id == jid
+    assert lock(rc, key) == f"Q||{jid}"
+    assert idle.count == 1
+
+
+@pytest.mark.skipif(not hasattr(rq.exceptions, "DuplicateJobError"),
+                    reason="RQ < 2.7 has no unique=True")
 def test_unique_and_explicit_job_id_work_beside_the_gate(
     idle: DedupQueue, rc: redis.Redis
 ) -> None:
@@ -585,7 +601,7 @@ def test_unique_and_explicit_job_id_work_beside_the_gate(
     assert first is not None and first.id == jid
     key = key_of(idle, rq_jobs.record, name)
     assert lock(rc, key) == f"Q||{jid}"
-    with pytest.raises(DuplicateJobError):  # RQ's own answer for its own unique=True
+    with pytest.raises(rq.exceptions.DuplicateJobError):  # RQ's answer for its unique=True
         idle.enqueue(rq_jobs.record, name, job_id=jid, unique=True)
     other = idle.enqueue(rq_jobs.record, name, job_id=f"other-{label()}", unique=True)
     assert other is not None and other.id == jid  # same identity: the original

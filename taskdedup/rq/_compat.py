@@ -40,8 +40,8 @@ if TYPE_CHECKING:
 __all__ = [
     "DEAD_STATUSES", "NOT_STARTED", "CaptureRefused", "DuplicateJobError", "capture_enqueue",
     "cleanup_execution", "execution_args", "execution_kwargs", "fused_enqueue_problem",
-    "has_dependencies", "has_rate_limit", "is_async", "is_job_id", "mark_finished", "requeue",
-    "save_success", "say_public_path", "stopped_job_id",
+    "has_dependencies", "has_rate_limit", "is_async", "is_job_id", "mark_finished",
+    "parse_enqueue_args", "requeue", "save_success", "say_public_path", "stopped_job_id",
 ]
 
 
@@ -93,6 +93,29 @@ def has_dependencies(job: Job) -> bool:
 def is_async(queue: Queue) -> bool:
     """Whether ``queue`` hands jobs to workers (``is_async=True``) or runs them at once."""
     return bool(queue._is_async)
+
+
+# -- RQ's parsed enqueue options ---------------------------------------------------------------
+
+
+_PLAIN_PARSED_ARGS: Final = (
+    "func", "timeout", "description", "result_ttl", "ttl", "failure_ttl", "depends_on",
+    "job_id", "at_front", "meta", "retry", "repeat", "on_success", "on_failure", "on_stopped",
+    "pipeline", "args", "kwargs",
+)
+"""The order of ``Queue.parse_args``' plain tuple (RQ 2.6; later releases name the fields)."""
+
+
+def parse_enqueue_args(f: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """RQ's own parsing of ``enqueue(f, *args, **kwargs)``: its options by name."""
+    parsed = Queue.parse_args(f, *args, **kwargs)
+    if hasattr(parsed, "_asdict"):
+        return dict(parsed._asdict())
+    if len(parsed) != len(_PLAIN_PARSED_ARGS):  # an RQ whose tuple this module cannot read
+        raise TypeError(
+            f"taskdedup cannot read this RQ release's Queue.parse_args ({len(parsed)} fields)"
+        )
+    return dict(zip(_PLAIN_PARSED_ARGS, parsed, strict=True))
 
 
 # -- job internals the worker and the synchronous queue set ------------------------------------

@@ -127,7 +127,7 @@ class DedupQueue(Queue):
     def enqueue(self, f: Any, *args: Any, **kwargs: Any) -> Job | None:  # type: ignore[override]
         """``Queue.enqueue`` behind the gate; ``None`` for a dropped duplicate."""
         dedup, dedup_key = kwargs.pop("dedup", None), kwargs.pop("dedup_key", None)
-        params = Queue.parse_args(f, *args, **kwargs)._asdict()
+        params = _compat.parse_enqueue_args(f, *args, **kwargs)
         return self._gated(params, dedup, dedup_key, None)
 
     def enqueue_call(  # type: ignore[override]
@@ -147,7 +147,7 @@ class DedupQueue(Queue):
         ``enqueue_in`` goes through here too.
         """
         dedup, dedup_key = kwargs.pop("dedup", None), kwargs.pop("dedup_key", None)
-        params = Queue.parse_args(f, *args, **kwargs)._asdict()
+        params = _compat.parse_enqueue_args(f, *args, **kwargs)
         return self._gated(params, dedup, dedup_key, datetime)
 
     def _gated(

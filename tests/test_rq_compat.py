@@ -1,0 +1,185 @@
+"""What RQ's one-round-trip enqueue relies on is checked when a DedupQueue is declared: on
+every RQ release the matrix runs it holds (one round trip), and where it does not (an RQ that
+pushes through its own script, or no longer writes into the caller's pipeline) the queue takes
+the public path — reserve, then RQ's own enqueue — says why in one INFO line, and still dedups,
+with a real ``rq worker`` running the job once."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+from redis.connection import Connection
+from rq.queue import Queue
+
+from taskdedup import Policy
+from taskdedup.rq import DedupQueue, _compat
+from taskdedup.testing import wait_for
+from tests import rq_jobs
+from tests.workers import RqWorker
+
+PUBLIC_PATH = "DedupQueue reserves in its own round trip"
+
+
+def label() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+class CountingConnection(Connection):
+    """A connection that counts what the test's thread sends (not the stats flusher's): one
+    packed send is one round trip (a pipeline sends all its commands at once)."""
+
+    sends = 0
+
+    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        if threading.current_thread() is threading.main_thread():
+            type(self).sends += 1
+        super().send_packed_command(command, check_health)
+
+
+@pytest.fixture
+def counting(redis_url: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url, connection_class=CountingConnection)
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def fresh_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forget this process's earlier checks, as a fresh process would start."""
+    monkeypatch.setattr(_compat, "_checked", {})
+    monkeypatch.setattr(_compat, "_said", set())
+
+
+def round_trips(call: Callable[[], Any]) -> int:
+    before = CountingConnection.sends
+    call()
+    return CountingConnection.sends - before
+
+
+# -- what a future RQ could do instead of plain writes into the caller's pipeline -------------
+
+
+def push_by_script(monkeypatch: pytest.MonkeyPatch) -> str:
+    """RQ pushes the job id through a Lua script of its own (as RQ 3.0 already does for
+    ``unique=True`` and rate-limited jobs): a script cannot call EVAL."""
+    def push_job_id(self: Queue, job_id: str, pipeline: Any = None,
+                    at_front: bool = False) -> None:
+        target = pipeline if pipeline is not None else self.connection
+        target.eval("return redis.call(ARGV[1], KEYS[1], ARGV[2])", 1, self.key,
+                    "LPUSH" if at_front else "RPUSH", job_id)
+
+    monkeypatch.setattr(Queue, "push_job_id", push_job_id)
+    return "EVAL"
+
+
+def enqueue_on_its_own(monkeypatch: pytest.MonkeyPatch) -> str:
+    """RQ's ``enqueue_job`` no longer writes into the pipeline it is given (it runs its own):
+    a capture would see nothing and the job would be queued before the reservation."""
+    enqueue_job = Queue.enqueue_job
+
+    def own_pipeline(self: Queue, job: Any, pipeline: Any = None, **options: Any) -> Any:
+        return enqueue_job(self, job, **options)
+
+    monkeypatch.setattr(Queue, "enqueue_job", own_pipeline)
+    return "does not push the job id"
+
+
+CHANGES = [push_by_script, enqueue_on_its_own]
+
+
+# -- tests ----------------------------------------------------------------------------------
+
+
+def test_this_rq_release_takes_the_one_round_trip_enqueue(
+    counting: redis.Redis, fresh_checks: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The releases the matrix runs (RQ 2.6 to 3.x, redis-py 5 to 8) pass the check: a gated
+    enqueue is one round trip, a duplicate too, and nothing is logged about the public path."""
+    with caplog.at_level(logging.INFO, logger="taskdedup"):
+        q = DedupQueue(f"rq-compat-{label()}", connection=counting, dedup=Policy(ttl=60))
+    try:
+        assert _compat.fused_enqueue_problem(q) is None
+        q.enqueue(rq_jobs.record, label())  # warm-up: the script is loaded once per server
+        name = label()
+        assert round_trips(lambda: q.enqueue(rq_jobs.record, name)) == 1
+        assert round_trips(lambda: q.enqueue(rq_jobs.record, name)) == 1  # the duplicate
+        assert q.count == 2
+        assert not [r for r in caplog.records if PUBLIC_PATH in r.getMessage()]
+    finally:
+        q.empty()
+
+
+@pytest.mark.parametrize("change", CHANGES, ids=lambda c: c.__name__)
+def test_an_rq_enqueue_that_cannot_ride_in_the_script_takes_the_public_path_and_says_so_once(
+    change: Callable[[pytest.MonkeyPatch], str], counting: redis.Redis, rc: redis.Redis,
+    fresh_checks: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The check at declaration finds the change: the queue reserves in its own round trip,
+    then enqueues with RQ's own code; every call works and dedups (no error, nothing queued
+    twice), and one INFO line says why — once per process, not per queue or call."""
+    why = change(monkeypatch)
+    name = f"rq-compat-{label()}"
+    with caplog.at_level(logging.INFO, logger="taskdedup"):
+        q = DedupQueue(name, connection=counting, dedup=Policy(ttl=60))
+        call = label()
+        first = q.enqueue(rq_jobs.record, call)
+        second = q.enqueue(rq_jobs.record, call)
+        other = DedupQueue(name, connection=counting, dedup=Policy(ttl=60))
+        third = other.enqueue(rq_jobs.record, call)
+        fresh = label()
+        trips = round_trips(lambda: other.enqueue(rq_jobs.record, fresh))
+    plain = Queue(f"{name}-plain", connection=counting)
+    plain_trips = round_trips(lambda: plain.enqueue(rq_jobs.record, fresh))
+    try:
+        assert first is not None and second is not None and third is not None
+        assert first.id == second.id == third.id
+        key = q.dedup.identity("tests.rq_jobs.record", Policy(), (call,), {},
+                               func=rq_jobs.record).key
+        assert rc.get(key) == f"Q||{first.id}".encode()
+        assert q.job_ids.count(first.id) == 1 and q.count == 2
+        assert trips == plain_trips + 1  # reserve, then RQ's own enqueue
+        said = [r for r in caplog.records if PUBLIC_PATH in r.getMessage()]
+        assert len(said) == 1 and said[0].levelno == logging.INFO
+        assert why in said[0].getMessage()
+    finally:
+        q.empty()
+        plain.empty()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("change", CHANGES, ids=lambda c: c.__name__)
+def test_on_the_public_path_a_real_rq_worker_runs_the_call_once(
+    change: Callable[[pytest.MonkeyPatch], str], redis_url: str, rc: redis.Redis,
+    fresh_checks: None, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With the same change in the producer, duplicates sent before and while a real
+    ``rq worker`` (DedupWorker) runs the job give one job and one execution."""
+    change(monkeypatch)
+    name = f"rq-compat-{os.getpid()}-{label()}"
+    q = DedupQueue(name, connection=rc, dedup=Policy(ttl=60))
+    call = label()
+    jobs = [q.enqueue(rq_jobs.record, call, 3) for _ in range(3)]
+    worker = RqWorker(redis_url, [name], scheduler=False).start()
+    try:
+        jobs.append(q.enqueue(rq_jobs.record, call, 3))
+        ids = {job.id for job in jobs if job is not None}
+        assert len(ids) == 1 and None not in jobs
+        first = jobs[0]
+        assert first is not None
+        wait_for(lambda: first.get_status() == "finished", timeout=30, what="job finished")
+        assert [x.decode() for x in rc.lrange(f"effects:{call}", 0, -1)] == ["3"]
+        assert q.count == 0 and len(q.finished_job_registry) == 1
+        again = q.enqueue(rq_jobs.record, call, 3)  # until_expired: still the original
+        assert again is not None and again.id == first.id
+    finally:
+        worker.stop()
+        q.empty()
