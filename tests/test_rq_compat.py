@@ -12,6 +12,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
+from urllib.parse import urlparse
 
 import pytest
 import redis
@@ -20,8 +21,9 @@ from rq.queue import Queue
 
 from taskdedup import Policy
 from taskdedup.rq import DedupQueue, _compat
-from taskdedup.testing import wait_for
+from taskdedup.testing import free_port, wait_for
 from tests import rq_jobs
+from tests.proxy import Proxy
 from tests.workers import RqWorker
 
 PUBLIC_PATH = "DedupQueue reserves in its own round trip"
@@ -116,6 +118,26 @@ def test_this_rq_release_takes_the_one_round_trip_enqueue(
         assert not [r for r in caplog.records if PUBLIC_PATH in r.getMessage()]
     finally:
         q.empty()
+
+
+def test_a_queue_declared_while_its_redis_is_down_is_checked_once_redis_answers(
+    redis_url: str, fresh_checks: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The check needs the server (RQ asks its version): a queue declared while Redis is down
+    neither fails nor gives up the one round trip; its first enqueue checks again."""
+    with Proxy(("127.0.0.1", free_port())) as proxy:  # nothing listens there: Redis is down
+        client = redis.Redis.from_url(proxy.url, connection_class=CountingConnection)
+        with caplog.at_level(logging.INFO, logger="taskdedup"):
+            q = DedupQueue(f"rq-compat-{label()}", connection=client, dedup=Policy(ttl=60))
+            parsed = urlparse(redis_url)
+            proxy.target = (parsed.hostname or "127.0.0.1", parsed.port or 6379)  # Redis is up
+            try:
+                q.enqueue(rq_jobs.record, label())  # checks, then loads the script
+                assert round_trips(lambda: q.enqueue(rq_jobs.record, label())) == 1
+            finally:
+                q.empty()
+                client.close()
+    assert not [r for r in caplog.records if PUBLIC_PATH in r.getMessage()]
 
 
 @pytest.mark.parametrize("change", CHANGES, ids=lambda c: c.__name__)

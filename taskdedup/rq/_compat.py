@@ -38,10 +38,11 @@ if TYPE_CHECKING:
     from rq.executions import Execution
 
 __all__ = [
-    "DEAD_STATUSES", "NOT_STARTED", "CaptureRefused", "DuplicateJobError", "capture_enqueue",
-    "cleanup_execution", "execution_args", "execution_kwargs", "fused_enqueue_problem",
-    "has_dependencies", "has_rate_limit", "is_async", "is_job_id", "mark_finished",
-    "parse_enqueue_args", "requeue", "save_success", "say_public_path", "stopped_job_id",
+    "DEAD_STATUSES", "NOT_STARTED", "CaptureRefused", "DuplicateJobError", "Unchecked",
+    "capture_enqueue", "cleanup_execution", "execution_args", "execution_kwargs",
+    "fused_enqueue_problem", "has_dependencies", "has_rate_limit", "is_async", "is_job_id",
+    "mark_finished", "parse_enqueue_args", "requeue", "save_success", "say_public_path",
+    "stopped_job_id",
 ]
 
 
@@ -134,8 +135,10 @@ def save_success(job: Job, result_ttl: int, pipeline: Pipeline) -> None:
 
 
 def requeue(queue: Queue, job: Job, pipeline: Pipeline) -> None:
-    """Queue ``job`` again as RQ's own ``Retry`` does (no dependency checks)."""
-    queue._enqueue_job(job, pipeline=pipeline)
+    """Queue ``job`` again as RQ's own ``Retry`` does (no dependency checks), or by the public
+    ``enqueue_job`` on an RQ without ``_enqueue_job``."""
+    enqueue = getattr(queue, "_enqueue_job", None) or queue.enqueue_job
+    enqueue(job, pipeline=pipeline)
 
 
 def stopped_job_id(worker: Worker) -> str | None:
@@ -190,6 +193,9 @@ PLAIN_WRITES: Final = frozenset({
 never reads a pipeline's answers when it enqueues into a caller's pipeline)."""
 
 
+_QUEUEING: Final = frozenset({"RPUSH", "LPUSH", "ZADD"})
+
+
 class _Immediate(Exception):
     """RQ tried to send a command at once (a WATCH, or a command after one)."""
 
@@ -214,10 +220,11 @@ def _capture_pipeline(connection: redis.Redis) -> Pipeline:
 
 
 def capture_enqueue(
-    connection: redis.Redis, write: Callable[[Pipeline], Any]
+    connection: redis.Redis, write: Callable[[Pipeline], Any], job_id: str
 ) -> list[Sequence[Any]]:
-    """The commands ``write`` (RQ's enqueue or schedule into a pipeline) queues, checked to be
-    plain writes that ``enqueue.lua`` can run; nothing is sent to the server.
+    """The commands ``write`` (RQ's enqueue or schedule of job ``job_id`` into a pipeline)
+    queues, checked to be plain writes that ``enqueue.lua`` can run and to queue or schedule
+    the job (RPUSH/LPUSH/ZADD of its id); nothing is sent to the server.
 
     Raises:
         CaptureRefused: redis-py or RQ changed in a way the script cannot follow (the caller
@@ -244,6 +251,9 @@ def capture_enqueue(
                 )
             assert isinstance(command, tuple)
             commands.append(command)
+        if not any(str(command[0]).upper() in _QUEUEING and str(command[-1]) == job_id
+                   for command in commands):
+            raise CaptureRefused("RQ's enqueue does not push the job id in its pipeline")
         return commands
     finally:
         pipe.reset()
@@ -254,21 +264,29 @@ _checked: dict[type[Job], str | None] = {}
 _said: set[str] = set()
 
 
+class Unchecked(Exception):
+    """The check could not run: RQ's enqueue asks the server (its version), which did not
+    answer (Redis down when the queue was declared). Ask again later."""
+
+
 def _probe(job_class: type[Job], connection: redis.Redis) -> str | None:
-    """Why RQ's own enqueue and schedule of a probe job cannot ride in the script, or None."""
+    """Why RQ's own enqueue and schedule of a probe job cannot ride in the script, or None.
+
+    Raises:
+        Unchecked: RQ's enqueue needed the server (its version) and could not reach it.
+    """
     queue = Queue("taskdedup-probe", connection=connection, job_class=job_class)
     job = queue.create_job(_PROBE_FUNC, job_id="taskdedup-probe")
     try:
-        pushed = capture_enqueue(connection, lambda pipe: queue.enqueue_job(job, pipeline=pipe))
-        capture_enqueue(connection,
-                        lambda pipe: queue.schedule_job(job, datetime.now(UTC), pipeline=pipe))
+        capture_enqueue(connection, lambda pipe: queue.enqueue_job(job, pipeline=pipe), job.id)
+        capture_enqueue(connection, lambda pipe: queue.schedule_job(
+            job, datetime.now(UTC), pipeline=pipe), job.id)
     except CaptureRefused as exc:
         return str(exc)
+    except redis.RedisError as exc:
+        raise Unchecked(str(exc)) from exc
     except Exception as exc:  # any other surprise: the public path, and say what it was
         return f"capturing RQ's enqueue failed: {type(exc).__name__}: {exc}"
-    if not any(str(cmd[0]).upper() in ("RPUSH", "LPUSH") and str(cmd[-1]) == job.id
-               for cmd in pushed):
-        return "RQ's enqueue does not push the job id in its pipeline"
     return None
 
 
@@ -279,6 +297,9 @@ def fused_enqueue_problem(queue: Queue) -> str | None:
     enqueue and schedule of a probe job into a capture pipeline (nothing reaches the server)
     must queue only plain writes, and push the job. The first time a reason is found, one INFO
     line says it; the queue then reserves in its own round trip and enqueues with RQ's code.
+
+    Raises:
+        Unchecked: the server did not answer; nothing is cached, the next call checks again.
     """
     job_class = queue.job_class
     if job_class not in _checked:

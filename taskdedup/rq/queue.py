@@ -89,9 +89,17 @@ class DedupQueue(Queue):
             self.dedup: Deduplicator = get_deduplicator(self.connection, dedup_store, dedup_prefix)
         except ValueError as exc:  # a bad prefix
             raise ConfigurationError(f"DedupQueue({name!r}): {exc}") from exc
-        self._one_round_trip = self._shares_the_store() and (
-            _compat.fused_enqueue_problem(self) is None
-        )
+        self._one_round_trip = self._check_one_round_trip()
+
+    def _check_one_round_trip(self) -> bool | None:
+        """Whether a reservation can ride in the script that writes and queues the job (None:
+        not known yet, the server did not answer; checked again at the next enqueue)."""
+        if not self._shares_the_store():
+            return False
+        try:
+            return _compat.fused_enqueue_problem(self) is None
+        except _compat.Unchecked:
+            return None
 
     def _shares_the_store(self) -> bool:
         """Whether the locks live in this queue's Redis (same connection pool), which is not
@@ -232,8 +240,10 @@ class DedupQueue(Queue):
         """Whether this job's reservation can ride in the script that writes and queues it:
         the queue passed its check when it was declared, and the job has no dependencies
         (RQ WATCHes those) nor a rate limit (promoted in its own round trips)."""
+        if self._one_round_trip is None:
+            self._one_round_trip = self._check_one_round_trip()
         return (
-            self._one_round_trip
+            bool(self._one_round_trip)
             and not _compat.has_dependencies(job)
             and not _compat.has_rate_limit(job)
         )
@@ -244,7 +254,8 @@ class DedupQueue(Queue):
         """RQ's own enqueue (or schedule) commands for ``job``, captured without sending
         anything; None (and the public path) if they cannot ride in the script."""
         try:
-            return _compat.capture_enqueue(self.connection, lambda pipe: publish(job, pipe))
+            return _compat.capture_enqueue(self.connection, lambda pipe: publish(job, pipe),
+                                           job.id)
         except _compat.CaptureRefused as exc:
             _compat.say_public_path(str(exc))
             return None
