@@ -672,6 +672,40 @@ def clear_command(
     click.echo(f"deleted {deleted} lock{'' if deleted == 1 else 's'}")
 
 
+# -- doctor ------------------------------------------------------------------------------------
+
+
+@main.command("doctor")
+@_json_option
+@click.pass_obj
+def doctor_command(env: _Env, as_json: bool) -> None:
+    """Check that the server can hold taskdedup's guarantees; exit 1 if something is wrong.
+
+    Checks: the server's version (Redis 6.2+, Valkey 7.2+), its eviction policy (anything
+    but noeviction under a memory limit deletes locks, and duplicates then run), script
+    permission, Cluster mode, and whether the user reaches keys under the prefix (ACL).
+    """
+    from .doctor import diagnose
+
+    client = env.client()
+    with _redis_errors(env):
+        findings = diagnose(client, env.prefix)
+    failed = [f for f in findings if not f.ok]
+    if as_json:
+        _echo_json({"url": env.where, "ok": not failed,
+                    "checks": [f.as_dict() for f in findings]})
+    else:
+        table = Table(title=f"taskdedup doctor at {env.where}", title_justify="left")
+        for name in ("check", "", "found", "fix"):
+            table.add_column(name)
+        for f in findings:
+            table.add_row(f.check, Text("ok", "green") if f.ok else Text("PROBLEM", "bold red"),
+                          _cell(f.detail), _cell(f.fix))
+        _console().print(table)
+    if failed:
+        raise SystemExit(1)
+
+
 # -- stats -------------------------------------------------------------------------------------
 
 

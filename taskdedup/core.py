@@ -100,6 +100,7 @@ class Deduplicator:
         self._heartbeat: Heartbeat | None = None
         self._heartbeat_pid = 0
         self._heartbeat_lock = threading.Lock()
+        self._store_checked = False
 
     # -- identity -------------------------------------------------------------------------
 
@@ -242,6 +243,8 @@ class Deduplicator:
         Raises:
             IdempotencyKeyMismatch: an explicit key is held with other arguments.
         """
+        if not self._store_checked:
+            self._check_store()
         outcome, key, existing = result.outcome, identity.key, result.owner
         if outcome is Outcome.ACQUIRED:
             self._emit(Event.RESERVED, name, key, owner, seconds=seconds)
@@ -279,6 +282,8 @@ class Deduplicator:
             StoreUnavailableError: Redis is down and ``on_store_error='raise'``; the
                 integration must retry the task later, never run it unguarded.
         """
+        if not self._store_checked:
+            self._check_store()
         if policy.mode is Mode.UNTIL_EXECUTING:
             self.release(name, key, owner, reason="started")
             return StartResult(Verdict.ACCEPTED)
@@ -323,7 +328,8 @@ class Deduplicator:
         else:
             self._emit(Event.LEASE_LOST, name, key, owner, detail="complete")
             logger.warning(
-                "taskdedup: %s[%s] finished after its lock %s expired (lease %.1fs too short?)",
+                "taskdedup: %s[%s] finished after its lock %s was gone (expired: lease %.1fs "
+                "too short?, or evicted by the server: taskdedup doctor checks)",
                 name, owner, key, policy.lease,
             )
 
@@ -371,6 +377,14 @@ class Deduplicator:
             self._heartbeat.remove(key, owner)
 
     # -- helpers --------------------------------------------------------------------------
+
+    def _check_store(self) -> None:
+        """On first use, let the store check its server once (a RedisStore warns when the
+        server may evict locks); a store without ``check_server`` has nothing to check."""
+        self._store_checked = True
+        check = getattr(self.store, "check_server", None)
+        if check is not None:
+            check()
 
     def store_error(
         self, name: str, policy: Policy, key: str, owner: str, exc: StoreUnavailableError,
@@ -507,6 +521,7 @@ class Heartbeat:
                 self._due.pop((key, owner), None)
             dedup._emit(Event.LEASE_LOST, name, key, owner, detail="heartbeat")
             logger.warning(
-                "taskdedup: %s[%s] lost its lock %s (expired before the heartbeat)",
+                "taskdedup: %s[%s] lost its lock %s (expired before the heartbeat, or evicted "
+                "by the server: taskdedup doctor checks)",
                 name, owner, key,
             )

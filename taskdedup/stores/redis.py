@@ -43,6 +43,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from ..exceptions import ConfigurationError, StoreUnavailableError
 from ._compat import NEVER_DECODE, raw_exchange
 from .base import LockInfo, LockResult, LockState, Outcome
+from .server import warn_once
 from .memory import check_check, check_ms, check_owner, parse_value
 
 __all__ = ["RedisStore"]
@@ -341,6 +342,10 @@ class RedisStore:
         return LockInfo(key, state, owner, check, int(pttl))
 
     # -- beyond the protocol ---------------------------------------------------------------
+
+    def check_server(self) -> None:
+        """Warn once per process if this server may evict locks (``stores/server.py``)."""
+        warn_once(self.client, describe_client(self.client))
 
     def reserve_many(self, items: Sequence[tuple[str, str, int, str]]) -> list[LockResult]:
         """:meth:`reserve` each ``(key, owner, ttl_ms, check)`` in one pipeline round trip.

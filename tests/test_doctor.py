@@ -1,0 +1,122 @@
+"""``taskdedup doctor`` and the once-per-process eviction warning, against real servers.
+
+A server whose ``maxmemory-policy`` may evict keys silently breaks deduplication (every lock
+has a TTL, so ``volatile-*`` evicts locks too): the first use warns once, naming the policy
+and the fix, and the doctor reports it with the other checks and exits 1.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+
+import pytest
+import redis
+from click.testing import CliRunner
+
+from taskdedup import Policy
+from taskdedup.cli import main
+from taskdedup.core import Deduplicator
+from taskdedup.stores import server as server_checks
+from taskdedup.stores.redis import RedisStore
+from taskdedup.testing import RedisServer
+
+
+@pytest.fixture(scope="module")
+def own_server() -> Iterator[RedisServer]:
+    """A server of this module's own: its configuration is changed by the tests."""
+    server = RedisServer().start()
+    try:
+        yield server
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture
+def own(own_server: RedisServer) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(own_server.url)
+    client.config_set("maxmemory", 0)
+    client.config_set("maxmemory-policy", "noeviction")
+    client.flushdb()
+    yield client
+    client.config_set("maxmemory", 0)
+    client.config_set("maxmemory-policy", "noeviction")
+    client.execute_command("ACL", "DELUSER", "narrow", "noscripts")
+    client.close()
+
+
+def doctor(url: str, *extra: str) -> tuple[int, dict[str, dict[str, object]]]:
+    result = CliRunner().invoke(main, ["--url", url, "doctor", "--json", *extra])
+    data = json.loads(result.output)
+    return result.exit_code, {c["check"]: c for c in data["checks"]}
+
+
+def test_doctor_passes_on_a_server_that_never_evicts(own: redis.Redis,
+                                                     own_server: RedisServer) -> None:
+    code, checks = doctor(own_server.url)
+    assert code == 0
+    assert set(checks) == {"server", "eviction", "cluster", "scripts", "acl"}
+    assert all(c["ok"] for c in checks.values())
+    assert own.keys("taskdedup:doctor:*") == []  # the probe lock was released
+
+
+@pytest.mark.parametrize("policy", ["allkeys-lru", "volatile-ttl"])
+def test_doctor_fails_on_an_evicting_server_naming_the_policy_and_the_fix(
+    own: redis.Redis, own_server: RedisServer, policy: str,
+) -> None:
+    own.config_set("maxmemory", 64 * 1024 * 1024)
+    own.config_set("maxmemory-policy", policy)
+    code, checks = doctor(own_server.url)
+    assert code == 1
+    assert checks["eviction"]["ok"] is False
+    assert f"maxmemory-policy is {policy}" in str(checks["eviction"]["detail"])
+    assert "noeviction" in str(checks["eviction"]["fix"])
+    result = CliRunner().invoke(main, ["--url", own_server.url, "doctor"])  # the table
+    assert result.exit_code == 1 and "PROBLEM" in result.output
+
+
+def test_first_use_warns_once_per_process_when_the_server_may_evict(
+    own: redis.Redis, own_server: RedisServer, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    own.config_set("maxmemory", 64 * 1024 * 1024)
+    own.config_set("maxmemory-policy", "allkeys-lru")
+    monkeypatch.setattr(server_checks, "_checked", set())
+    dedup = Deduplicator(RedisStore(own))
+    other = Deduplicator(RedisStore(redis.Redis.from_url(own_server.url)))  # same server
+    policy = Policy(ttl=60)
+    with caplog.at_level(logging.WARNING, logger="taskdedup"):
+        for i in range(3):
+            dedup.gate("t", policy, dedup.identity("t", policy, (i,)), f"id-{i}")
+            other.gate("t", policy, other.identity("t", policy, (i,)), f"other-{i}")
+    warnings = [r.getMessage() for r in caplog.records if "may evict locks" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "maxmemory-policy is allkeys-lru" in warnings[0]
+    assert "noeviction" in warnings[0]
+
+
+def test_first_use_is_silent_on_a_server_that_never_evicts(
+    own: redis.Redis, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setattr(server_checks, "_checked", set())
+    dedup = Deduplicator(RedisStore(own))
+    policy = Policy(ttl=60)
+    with caplog.at_level(logging.WARNING, logger="taskdedup"):
+        dedup.gate("t", policy, dedup.identity("t", policy, (1,)), "id-1")
+    assert not [r for r in caplog.records if "may evict" in r.getMessage()]
+
+
+def test_doctor_reports_a_user_without_scripts_or_without_the_prefix(
+    own: redis.Redis, own_server: RedisServer,
+) -> None:
+    host_port = own_server.url.split("://", 1)[1]
+    own.execute_command("ACL", "SETUSER", "noscripts", "on", ">pw", "~taskdedup:*",
+                        "+@all", "-eval", "-evalsha")
+    own.execute_command("ACL", "SETUSER", "narrow", "on", ">pw", "~other:*", "+@all")
+    code, checks = doctor(f"redis://noscripts:pw@{host_port}")
+    assert code == 1 and checks["scripts"]["ok"] is False
+    assert "+eval" in str(checks["scripts"]["fix"])
+    code, checks = doctor(f"redis://narrow:pw@{host_port}")
+    assert code == 1 and checks["scripts"]["ok"] is True and checks["acl"]["ok"] is False
+    assert "~taskdedup:*" in str(checks["acl"]["fix"])
