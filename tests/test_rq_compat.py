@@ -11,6 +11,7 @@ import os
 import threading
 import uuid
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import urlparse
 
@@ -92,7 +93,7 @@ def enqueue_on_its_own(monkeypatch: pytest.MonkeyPatch) -> str:
         return enqueue_job(self, job, **options)
 
     monkeypatch.setattr(Queue, "enqueue_job", own_pipeline)
-    return "does not push the job id"
+    return "executes a pipeline of its own"
 
 
 CHANGES = [push_by_script, enqueue_on_its_own]
@@ -101,23 +102,71 @@ CHANGES = [push_by_script, enqueue_on_its_own]
 # -- tests ----------------------------------------------------------------------------------
 
 
+def rq_schedules_into_the_pipeline(rc: redis.Redis) -> bool:
+    """Whether this RQ's ``ScheduledJobRegistry.schedule`` writes into the pipeline it is given
+    (RQ 3.0) or straight to Redis (RQ 2.x ignores the pipeline there)."""
+    q = Queue(f"rq-oracle-{label()}", connection=rc)
+    job = q.create_job(rq_jobs.record, args=("x",))
+    key = q.scheduled_job_registry.key
+    with rc.pipeline() as pipe:
+        q.scheduled_job_registry.schedule(job, datetime.now(UTC), pipeline=pipe)
+        written_at_once = bool(rc.zcard(key))
+        pipe.reset()
+    rc.delete(key)
+    return not written_at_once
+
+
+def public_path_lines(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if PUBLIC_PATH in r.getMessage()]
+
+
 def test_this_rq_release_takes_the_one_round_trip_enqueue(
     counting: redis.Redis, fresh_checks: None, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The releases the matrix runs (RQ 2.6 to 3.x, redis-py 5 to 8) pass the check: a gated
-    enqueue is one round trip, a duplicate too, and nothing is logged about the public path."""
+    enqueue is one round trip, a duplicate too, and nothing is logged about its path."""
     with caplog.at_level(logging.INFO, logger="taskdedup"):
         q = DedupQueue(f"rq-compat-{label()}", connection=counting, dedup=Policy(ttl=60))
     try:
-        assert _compat.fused_enqueue_problem(q) is None
         q.enqueue(rq_jobs.record, label())  # warm-up: the script is loaded once per server
         name = label()
         assert round_trips(lambda: q.enqueue(rq_jobs.record, name)) == 1
         assert round_trips(lambda: q.enqueue(rq_jobs.record, name)) == 1  # the duplicate
         assert q.count == 2
-        assert not [r for r in caplog.records if PUBLIC_PATH in r.getMessage()]
+        assert not [r for r in public_path_lines(caplog) if "RQ's enqueue " in r.getMessage()]
     finally:
         q.empty()
+
+
+def test_enqueue_in_rides_in_the_script_only_where_rq_schedules_into_the_pipeline(
+    counting: redis.Redis, rc: redis.Redis, fresh_checks: None,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """RQ 2.x writes the scheduled-registry entry straight to Redis, not into the pipeline it
+    is given: there ``enqueue_in``/``enqueue_at`` reserve in their own round trip (one INFO line
+    says so) and a duplicate leaves no stray entry a scheduler would trip over; where RQ
+    schedules into the pipeline (3.0) it is one round trip."""
+    into_pipeline = rq_schedules_into_the_pipeline(rc)
+    name = f"rq-compat-{label()}"
+    with caplog.at_level(logging.INFO, logger="taskdedup"):
+        q = DedupQueue(name, connection=counting, dedup=Policy(ttl=60))
+        plain = Queue(f"{name}-plain", connection=counting)
+        later = timedelta(hours=1)
+        q.enqueue_in(later, rq_jobs.record, label())  # warm-up: the script is loaded
+        call = label()
+        trips = round_trips(lambda: q.enqueue_in(later, rq_jobs.record, call))
+        plain_trips = round_trips(lambda: plain.enqueue_in(later, rq_jobs.record, call))
+        again = [q.enqueue_in(later, rq_jobs.record, call) for _ in range(3)]
+    try:
+        assert trips == (1 if into_pipeline else plain_trips + 1)
+        assert len({job.id for job in again if job is not None}) == 1 and None not in again
+        assert rc.zcard(q.scheduled_job_registry.key) == 2  # the warm-up and the call
+        said = [r.getMessage() for r in public_path_lines(caplog)]
+        assert said == ([] if into_pipeline else [said[0]])
+        assert into_pipeline or "schedule" in said[0]
+    finally:
+        for queue in (q, plain):
+            rc.delete(queue.scheduled_job_registry.key)
 
 
 def test_a_queue_declared_while_its_redis_is_down_is_checked_once_redis_answers(
@@ -137,7 +186,7 @@ def test_a_queue_declared_while_its_redis_is_down_is_checked_once_redis_answers(
             finally:
                 q.empty()
                 client.close()
-    assert not [r for r in caplog.records if PUBLIC_PATH in r.getMessage()]
+    assert not [r for r in public_path_lines(caplog) if "RQ's enqueue " in r.getMessage()]
 
 
 @pytest.mark.parametrize("change", CHANGES, ids=lambda c: c.__name__)
@@ -169,7 +218,7 @@ def test_an_rq_enqueue_that_cannot_ride_in_the_script_takes_the_public_path_and_
         assert rc.get(key) == f"Q||{first.id}".encode()
         assert q.job_ids.count(first.id) == 1 and q.count == 2
         assert trips == plain_trips + 1  # reserve, then RQ's own enqueue
-        said = [r for r in caplog.records if PUBLIC_PATH in r.getMessage()]
+        said = [r for r in public_path_lines(caplog) if "RQ's enqueue " in r.getMessage()]
         assert len(said) == 1 and said[0].levelno == logging.INFO
         assert why in said[0].getMessage()
     finally:

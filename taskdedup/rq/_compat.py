@@ -4,16 +4,19 @@ or redis-py, in one place, each with the check that it still holds.
 Feature detection only (no version strings):
 
 - RQ 3.0 passes an ``Execution`` to ``perform_job``, ``handle_job_*``, ``monitor_work_horse``
-  and ``cleanup_execution``; RQ 2.x does not (the worker keeps ``self.execution``).
+  and ``cleanup_execution``; RQ 2.x does not (the worker keeps ``self.execution``), except
+  ``handle_job_retry`` in later 2.x releases. Each method is asked separately.
 - RQ 3.0 adds ``JobStatus.READY_TO_ENQUEUE`` / ``RATE_LIMITED`` and ``Job.has_rate_limit``;
   RQ 2.7 adds ``unique=True`` with ``DuplicateJobError`` and ``JOB_ID_PATTERN``.
 - The one-round-trip enqueue runs RQ's own enqueue into a pipeline that is never executed and
   hands its commands to ``enqueue.lua``. That rests on redis-py's ``Pipeline.command_stack``
-  and on RQ writing its enqueue as plain writes (no WATCH, no read whose answer it needs, no
-  script of its own). :func:`capture_enqueue` checks both on every call, in a pipeline that
-  cannot reach the server; :func:`fused_enqueue_problem` runs it once per queue class when a
-  queue is declared, so a release that breaks it is reported (one INFO line) and the queue
-  reserves in its own round trip, then enqueues with RQ's own code.
+  and on RQ writing its enqueue as plain writes into the pipeline it is given (no WATCH, no
+  read whose answer it needs, no script of its own, nothing sent around the pipeline).
+  :func:`capture_enqueue` checks the commands on every call, in a pipeline that cannot reach
+  the server; :func:`fused_support` runs RQ's enqueue and schedule once per job class, when a
+  queue is declared, against a client that refuses anything sent outside the pipeline. Where
+  that fails (RQ 2.x schedules its registry entry outside the pipeline), the path is reported
+  in one INFO line and reserves in its own round trip, then enqueues with RQ's own code.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import inspect
 import re
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Final
 
@@ -40,7 +44,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEAD_STATUSES", "NOT_STARTED", "CaptureRefused", "DuplicateJobError", "Unchecked",
     "capture_enqueue", "cleanup_execution", "execution_args", "execution_kwargs",
-    "fused_enqueue_problem", "has_dependencies", "has_rate_limit", "is_async", "is_job_id",
+    "FusedSupport", "fused_support", "has_dependencies", "has_rate_limit", "is_async", "is_job_id",
     "mark_finished", "parse_enqueue_args", "requeue", "save_success", "say_public_path",
     "stopped_job_id",
 ]
@@ -194,10 +198,12 @@ never reads a pipeline's answers when it enqueues into a caller's pipeline)."""
 
 
 _QUEUEING: Final = frozenset({"RPUSH", "LPUSH", "ZADD"})
+_PROBE_READS: Final = frozenset({"INFO"})
+"""What RQ may ask the server directly while it enqueues (its version, cached after once)."""
 
 
 class _Immediate(Exception):
-    """RQ tried to send a command at once (a WATCH, or a command after one)."""
+    """RQ tried to send a command at once instead of queueing it in the pipeline."""
 
 
 class _CapturePipeline(Pipeline):
@@ -205,62 +211,85 @@ class _CapturePipeline(Pipeline):
     WATCH) or executing is refused, so nothing of a capture can reach the server."""
 
     def immediate_execute_command(self, *args: Any, **options: Any) -> Any:
-        raise _Immediate(str(args[0]) if args else "?")
+        raise _Immediate(f"sends {args[0] if args else '?'} at once")
 
     def execute(self, raise_on_error: bool = True) -> list[Any]:
-        raise _Immediate("EXEC")
+        raise _Immediate("executes a pipeline of its own")
+
+
+class _ProbeClient(redis.Redis):
+    """The server as RQ sees it during the check: the reads it needs (``INFO``) are answered,
+    a command sent outside the pipeline it was given is refused, never performed."""
+
+    def execute_command(self, *args: Any, **options: Any) -> Any:
+        name = str(args[0]).upper() if args else "?"
+        if name in _PROBE_READS:
+            return super().execute_command(*args, **options)  # type: ignore[no-untyped-call]
+        raise _Immediate(f"sends {name} outside the pipeline it is given")
+
+    def pipeline(self, transaction: bool = True, shard_hint: Any = None) -> Pipeline:
+        return _CapturePipeline(self.connection_pool, self.response_callbacks, transaction,
+                                shard_hint)
 
 
 class CaptureRefused(Exception):
     """RQ's enqueue cannot ride in the script; the message says why (for the INFO line)."""
 
 
-def _capture_pipeline(connection: redis.Redis) -> Pipeline:
-    return _CapturePipeline(connection.connection_pool, connection.response_callbacks, True, None)
-
-
 def capture_enqueue(
-    connection: redis.Redis, write: Callable[[Pipeline], Any], job_id: str
+    connection: redis.Redis, write: Callable[[Pipeline], Any], job_id: str,
+    what: str = "enqueue",
 ) -> list[Sequence[Any]]:
     """The commands ``write`` (RQ's enqueue or schedule of job ``job_id`` into a pipeline)
     queues, checked to be plain writes that ``enqueue.lua`` can run and to queue or schedule
-    the job (RPUSH/LPUSH/ZADD of its id); nothing is sent to the server.
+    the job (RPUSH/LPUSH/ZADD of its id). Nothing of it is sent to the server through the
+    pipeline; that RQ sends nothing around it is what :func:`fused_support` checks.
 
     Raises:
         CaptureRefused: redis-py or RQ changed in a way the script cannot follow (the caller
             enqueues by the public path instead).
     """
-    pipe = _capture_pipeline(connection)
+    pipe = _CapturePipeline(connection.connection_pool, connection.response_callbacks, True,
+                            None)
     try:
         try:
             write(pipe)
         except _Immediate as exc:
-            raise CaptureRefused(f"RQ's enqueue sends {exc} at once (a WATCH)") from None
+            raise CaptureRefused(f"RQ's {what} {exc}") from None
         stack = getattr(pipe, "command_stack", None)
         if not isinstance(stack, list):
             raise CaptureRefused("redis-py's Pipeline has no command_stack list")
         if getattr(pipe, "watching", False):  # MULTI alone is fine: the script is atomic
-            raise CaptureRefused("RQ's enqueue WATCHes keys (it reads before it writes)")
+            raise CaptureRefused(f"RQ's {what} WATCHes keys (it reads before it writes)")
         commands: list[Sequence[Any]] = []
         for entry in stack:
             command = entry[0] if isinstance(entry, tuple) and entry else None
             name = command[0] if isinstance(command, tuple) and command else None
-            if not isinstance(name, str) or name.upper() not in PLAIN_WRITES:
+            if not isinstance(command, tuple) or not isinstance(name, str) \
+                    or name.upper() not in PLAIN_WRITES:
                 raise CaptureRefused(
-                    f"RQ's enqueue queues {name or entry!r}, not a plain write a script can run"
+                    f"RQ's {what} queues {name or entry!r}, not a plain write a script can run"
                 )
-            assert isinstance(command, tuple)
             commands.append(command)
         if not any(str(command[0]).upper() in _QUEUEING and str(command[-1]) == job_id
                    for command in commands):
-            raise CaptureRefused("RQ's enqueue does not push the job id in its pipeline")
+            raise CaptureRefused(f"RQ's {what} does not queue the job id in its pipeline")
         return commands
     finally:
         pipe.reset()
 
 
-_PROBE_FUNC: Final = "taskdedup.rq._compat.fused_enqueue_problem"
-_checked: dict[type[Job], str | None] = {}
+@dataclass(frozen=True, slots=True)
+class FusedSupport:
+    """Why RQ's ``enqueue_job`` / ``schedule_job`` cannot ride in ``enqueue.lua`` (None: it
+    can)."""
+
+    enqueue: str | None
+    schedule: str | None
+
+
+_PROBE_FUNC: Final = "taskdedup.rq._compat.fused_support"
+_checked: dict[type[Job], FusedSupport] = {}
 _said: set[str] = set()
 
 
@@ -269,34 +298,43 @@ class Unchecked(Exception):
     answer (Redis down when the queue was declared). Ask again later."""
 
 
-def _probe(job_class: type[Job], connection: redis.Redis) -> str | None:
-    """Why RQ's own enqueue and schedule of a probe job cannot ride in the script, or None.
+def _probe(job_class: type[Job], connection: redis.Redis) -> FusedSupport:
+    """RQ's own enqueue and schedule of a probe job, against a server that refuses anything
+    sent outside the pipeline (and performs none of it).
 
     Raises:
         Unchecked: RQ's enqueue needed the server (its version) and could not reach it.
     """
-    queue = Queue("taskdedup-probe", connection=connection, job_class=job_class)
-    job = queue.create_job(_PROBE_FUNC, job_id="taskdedup-probe")
-    try:
-        capture_enqueue(connection, lambda pipe: queue.enqueue_job(job, pipeline=pipe), job.id)
-        capture_enqueue(connection, lambda pipe: queue.schedule_job(
-            job, datetime.now(UTC), pipeline=pipe), job.id)
-    except CaptureRefused as exc:
-        return str(exc)
-    except redis.RedisError as exc:
-        raise Unchecked(str(exc)) from exc
-    except Exception as exc:  # any other surprise: the public path, and say what it was
-        return f"capturing RQ's enqueue failed: {type(exc).__name__}: {exc}"
-    return None
+    client = _ProbeClient(connection_pool=connection.connection_pool)
+    queue = Queue("taskdedup-probe", connection=client, job_class=job_class)
+
+    def problem(what: str, write: Callable[[Queue, Job, Pipeline], Any]) -> str | None:
+        job = queue.create_job(_PROBE_FUNC, job_id="taskdedup-probe")
+        try:
+            capture_enqueue(client, lambda pipe: write(queue, job, pipe), job.id, what)
+        except CaptureRefused as exc:
+            return str(exc)
+        except redis.RedisError as exc:
+            raise Unchecked(str(exc)) from exc
+        except Exception as exc:  # any other surprise: the public path, and say what it was
+            return f"capturing RQ's {what} failed: {type(exc).__name__}: {exc}"
+        return None
+
+    return FusedSupport(
+        enqueue=problem("enqueue", lambda q, job, pipe: q.enqueue_job(job, pipeline=pipe)),
+        schedule=problem("schedule (enqueue_at, enqueue_in)", lambda q, job, pipe: (
+            q.schedule_job(job, datetime.now(UTC), pipeline=pipe))),
+    )
 
 
-def fused_enqueue_problem(queue: Queue) -> str | None:
-    """Why this queue cannot reserve inside RQ's own enqueue (None: it can).
+def fused_support(queue: Queue) -> FusedSupport:
+    """Whether this queue's enqueue and schedule can reserve inside RQ's own commands.
 
     Checked once per job class and process, when the first such queue is declared: RQ's
-    enqueue and schedule of a probe job into a capture pipeline (nothing reaches the server)
-    must queue only plain writes, and push the job. The first time a reason is found, one INFO
-    line says it; the queue then reserves in its own round trip and enqueues with RQ's code.
+    enqueue and schedule of a probe job must queue only plain writes into the pipeline they
+    are given (a capture: nothing reaches the server) and send nothing around it. The first
+    time a reason is found, one INFO line says it; that path then reserves in its own round
+    trip and enqueues with RQ's code.
 
     Raises:
         Unchecked: the server did not answer; nothing is cached, the next call checks again.
@@ -304,10 +342,11 @@ def fused_enqueue_problem(queue: Queue) -> str | None:
     job_class = queue.job_class
     if job_class not in _checked:
         _checked[job_class] = _probe(job_class, queue.connection)
-    problem = _checked[job_class]
-    if problem is not None:
-        say_public_path(problem)
-    return problem
+    support = _checked[job_class]
+    for problem in (support.enqueue, support.schedule):
+        if problem is not None:
+            say_public_path(problem)
+    return support
 
 
 def say_public_path(problem: str) -> None:

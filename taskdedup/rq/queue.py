@@ -38,6 +38,7 @@ __all__ = ["DedupQueue"]
 _WORKFLOW_OPTIONS: Final = ("depends_on", "on_success", "on_failure", "on_stopped")
 _CREATE_JOB_PARAMS: Final = frozenset(inspect.signature(Queue.create_job).parameters) - {"self"}
 _ENQUEUE_CALL_SIGNATURE: Final = inspect.signature(Queue.enqueue_call)
+_NOT_FUSED: Final = _compat.FusedSupport("", "")  # locks elsewhere: no reason worth a log line
 
 
 class DedupQueue(Queue):
@@ -89,15 +90,16 @@ class DedupQueue(Queue):
             self.dedup: Deduplicator = get_deduplicator(self.connection, dedup_store, dedup_prefix)
         except ValueError as exc:  # a bad prefix
             raise ConfigurationError(f"DedupQueue({name!r}): {exc}") from exc
-        self._one_round_trip = self._check_one_round_trip()
+        self._fused = self._check_fused()
 
-    def _check_one_round_trip(self) -> bool | None:
-        """Whether a reservation can ride in the script that writes and queues the job (None:
-        not known yet, the server did not answer; checked again at the next enqueue)."""
+    def _check_fused(self) -> _compat.FusedSupport | None:
+        """Whether a reservation can ride in the script that writes and queues (or schedules)
+        the job (None: not known yet, the server did not answer; checked again at the next
+        enqueue)."""
         if not self._shares_the_store():
-            return False
+            return _NOT_FUSED
         try:
-            return _compat.fused_enqueue_problem(self) is None
+            return _compat.fused_support(self)
         except _compat.Unchecked:
             return None
 
@@ -213,8 +215,8 @@ class DedupQueue(Queue):
                 return self._on_duplicate(policy, name, identity.key, job_id, params)
 
         ttl_ms = self._reservation_ttl_ms(policy, when, params.get("ttl"))
-        if not unique and self._fuses(job):
-            commands = self._captured(job, publish)
+        if not unique and self._fuses(job, when):
+            commands = self._captured(job, publish, when)
             if commands is not None:
                 return self._enqueue_fused(job, name, policy, identity, ttl_ms, commands,
                                            params, publish)
@@ -236,26 +238,28 @@ class DedupQueue(Queue):
 
     # -- one round trip: reserve inside RQ's own enqueue -------------------------------------
 
-    def _fuses(self, job: Job) -> bool:
-        """Whether this job's reservation can ride in the script that writes and queues it:
-        the queue passed its check when it was declared, and the job has no dependencies
+    def _fuses(self, job: Job, when: datetime | None) -> bool:
+        """Whether this job's reservation can ride in the script that writes and queues (or
+        schedules) it: that path passed the queue's check, and the job has no dependencies
         (RQ WATCHes those) nor a rate limit (promoted in its own round trips)."""
-        if self._one_round_trip is None:
-            self._one_round_trip = self._check_one_round_trip()
+        if self._fused is None:
+            self._fused = self._check_fused()
+        fused = self._fused
         return (
-            bool(self._one_round_trip)
+            fused is not None
+            and (fused.enqueue if when is None else fused.schedule) is None
             and not _compat.has_dependencies(job)
             and not _compat.has_rate_limit(job)
         )
 
     def _captured(
-        self, job: Job, publish: Callable[[Job, Pipeline | None], Job]
+        self, job: Job, publish: Callable[[Job, Pipeline | None], Job], when: datetime | None
     ) -> list[Any] | None:
         """RQ's own enqueue (or schedule) commands for ``job``, captured without sending
         anything; None (and the public path) if they cannot ride in the script."""
         try:
             return _compat.capture_enqueue(self.connection, lambda pipe: publish(job, pipe),
-                                           job.id)
+                                           job.id, "enqueue" if when is None else "schedule")
         except _compat.CaptureRefused as exc:
             _compat.say_public_path(str(exc))
             return None
