@@ -1,8 +1,9 @@
 """What RQ's one-round-trip enqueue relies on is checked when a DedupQueue is declared: on
-every RQ release the matrix runs it holds (one round trip), and where it does not (an RQ that
-pushes through its own script, or no longer writes into the caller's pipeline) the queue takes
-the public path — reserve, then RQ's own enqueue — says why in one INFO line, and still dedups,
-with a real ``rq worker`` running the job once."""
+every RQ release the matrix runs it holds for enqueue (one round trip), and where it does not
+(RQ 2.x's schedule, an RQ that pushes through its own script or no longer writes into the
+caller's pipeline) that path takes the public way — reserve, then RQ's own enqueue — says why
+in one INFO line, and still dedups, with a real ``rq worker`` running the job once. A worker
+on an RQ whose hooks changed shape refuses to start rather than run jobs unguarded."""
 
 from __future__ import annotations
 
@@ -19,9 +20,10 @@ import pytest
 import redis
 from redis.connection import Connection
 from rq.queue import Queue
+from rq.worker import Worker
 
-from taskdedup import Policy
-from taskdedup.rq import DedupQueue, _compat
+from taskdedup import ConfigurationError, Policy
+from taskdedup.rq import DedupQueue, DedupWorker, _compat
 from taskdedup.testing import free_port, wait_for
 from tests import rq_jobs
 from tests.proxy import Proxy
@@ -254,3 +256,18 @@ def test_on_the_public_path_a_real_rq_worker_runs_the_call_once(
     finally:
         worker.stop()
         q.empty()
+
+
+def test_a_worker_refuses_to_start_on_an_rq_whose_hooks_it_does_not_know(
+    rc: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The guard runs in RQ's ``perform_job`` and ``handle_job_*``: on an RQ where one of them
+    changed shape, RQ would never call the guard and jobs would run unguarded, so the worker
+    refuses to start and says what is missing."""
+    def perform_job(self: Worker, queued: Any, origin: Any) -> bool:
+        return True
+
+    DedupWorker([f"rq-compat-{label()}"], connection=rc)  # this RQ: fine
+    monkeypatch.setattr(Worker, "perform_job", perform_job)
+    with pytest.raises(ConfigurationError, match="perform_job"):
+        DedupWorker([f"rq-compat-{label()}"], connection=rc)

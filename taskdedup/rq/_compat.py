@@ -42,11 +42,11 @@ if TYPE_CHECKING:
     from rq.executions import Execution
 
 __all__ = [
-    "DEAD_STATUSES", "NOT_STARTED", "CaptureRefused", "DuplicateJobError", "Unchecked",
-    "capture_enqueue", "cleanup_execution", "execution_args", "execution_kwargs",
-    "FusedSupport", "fused_support", "has_dependencies", "has_rate_limit", "is_async", "is_job_id",
-    "mark_finished", "parse_enqueue_args", "requeue", "save_success", "say_public_path",
-    "stopped_job_id",
+    "DEAD_STATUSES", "NOT_STARTED", "CaptureRefused", "DuplicateJobError", "FusedSupport",
+    "Unchecked", "capture_enqueue", "cleanup_execution", "execution_args", "execution_kwargs",
+    "fused_support", "has_dependencies", "has_rate_limit", "is_async", "is_job_id",
+    "mark_finished", "missing_worker_hooks", "parse_enqueue_args", "requeue", "save_success",
+    "say_public_path", "stopped_job_id",
 ]
 
 
@@ -163,6 +163,28 @@ _PASSES_EXECUTION: Final = frozenset(
                       "handle_job_failure", "monitor_work_horse", "cleanup_execution")
     if _takes_execution(getattr(Worker, name))
 )
+
+
+_WORKER_HOOKS: Final = {
+    "perform_job": ["job", "queue"], "handle_job_success": ["job", "queue"],
+    "handle_job_failure": ["job", "queue"], "handle_job_retry": ["job", "queue"],
+    "handle_execution_ended": ["job", "queue"], "fork_work_horse": ["job", "queue"],
+    "monitor_work_horse": ["job", "queue"], "prepare_job_execution": ["job"],
+    "cleanup_execution": ["job"],
+}
+
+
+def missing_worker_hooks() -> list[str]:
+    """RQ ``Worker`` methods the guard overrides or calls that this release lacks, or whose
+    leading parameters differ: a worker whose hooks RQ never calls would run jobs unguarded,
+    so it refuses to start instead."""
+    missing = []
+    for name, leading in _WORKER_HOOKS.items():
+        method = getattr(Worker, name, None)
+        params = list(inspect.signature(method).parameters)[1:] if callable(method) else []
+        if params[:len(leading)] != leading:
+            missing.append(name)
+    return missing
 
 
 def execution_args(method: str, execution: Execution | None) -> tuple[Any, ...]:

@@ -18,7 +18,7 @@ from rq.worker import Worker
 from .. import stats
 from ..core import Deduplicator, GateResult, Identity, Verdict
 from ..events import logger
-from ..exceptions import StoreUnavailableError
+from ..exceptions import ConfigurationError, StoreUnavailableError
 from ..policy import Mode
 from ..stores.base import Store
 from . import _compat
@@ -56,6 +56,13 @@ class DedupWorker(Worker):
 
     def __init__(self, *args: Any, dedup_store: Store | redis.Redis | str | None = None,
                  **kwargs: Any) -> None:
+        missing = _compat.missing_worker_hooks()
+        if missing:
+            raise ConfigurationError(
+                f"DedupWorker cannot guard jobs on this RQ release: rq.worker.Worker lacks "
+                f"{', '.join(missing)} as taskdedup knows them; install an RQ release taskdedup "
+                "supports (see the README)"
+            )
         super().__init__(*args, **kwargs)
         self.dedup: Deduplicator = get_deduplicator(self.connection, dedup_store)
         self._dedup_pid = os.getpid()
