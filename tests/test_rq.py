@@ -592,7 +592,7 @@ def test_an_explicit_job_id_works_beside_the_gate(idle: DedupQueue, rc: redis.Re
 
 
 @pytest.mark.skipif(not hasattr(rq.exceptions, "DuplicateJobError"),
-                    reason="RQ < 2.7 has no unique=True")
+                    reason="RQ < 2.8 has no unique=True")
 def test_unique_and_explicit_job_id_work_beside_the_gate(
     idle: DedupQueue, rc: redis.Redis
 ) -> None:

@@ -7,7 +7,8 @@ Feature detection only (no version strings):
   and ``cleanup_execution``; RQ 2.x does not (the worker keeps ``self.execution``), except
   ``handle_job_retry`` in later 2.x releases. Each method is asked separately.
 - RQ 3.0 adds ``JobStatus.READY_TO_ENQUEUE`` / ``RATE_LIMITED`` and ``Job.has_rate_limit``;
-  RQ 2.7 adds ``unique=True`` with ``DuplicateJobError`` and ``JOB_ID_PATTERN``.
+  RQ 2.8 adds ``unique=True`` with ``DuplicateJobError`` and ``JOB_ID_PATTERN``; RQ 2.9
+  names the fields of ``Queue.parse_args``.
 - The one-round-trip enqueue runs RQ's own enqueue into a pipeline that is never executed and
   hands its commands to ``enqueue.lua``. That rests on redis-py's ``Pipeline.command_stack``
   and on RQ writing its enqueue as plain writes into the pipeline it is given (no WATCH, no
@@ -55,7 +56,7 @@ __all__ = [
 
 class _NoDuplicateJobError(Exception):
     """Stands for ``rq.exceptions.DuplicateJobError`` on RQ releases without ``unique=True``
-    (before 2.7): never raised."""
+    (before 2.8): never raised."""
 
 
 DuplicateJobError: Final[type[Exception]] = getattr(
@@ -81,7 +82,7 @@ NOT_STARTED: Final = _statuses(
 
 
 def is_job_id(value: str) -> bool:
-    """Whether ``value`` can be an RQ job id (as RQ 2.7+ validates them)."""
+    """Whether ``value`` can be an RQ job id (as RQ 2.8+ validates them)."""
     return bool(_JOB_ID_PATTERN.fullmatch(value))
 
 
@@ -103,12 +104,16 @@ def is_async(queue: Queue) -> bool:
 # -- RQ's parsed enqueue options ---------------------------------------------------------------
 
 
-_PLAIN_PARSED_ARGS: Final = (
+_OPTIONS: Final = (
     "func", "timeout", "description", "result_ttl", "ttl", "failure_ttl", "depends_on",
     "job_id", "at_front", "meta", "retry", "repeat", "on_success", "on_failure", "on_stopped",
-    "pipeline", "args", "kwargs",
+    "pipeline",
 )
-"""The order of ``Queue.parse_args``' plain tuple (RQ 2.6; later releases name the fields)."""
+_PLAIN_PARSED_ARGS: Final = {
+    18: (*_OPTIONS, "args", "kwargs"),  # RQ 2.6, 2.7
+    19: (*_OPTIONS, "unique", "args", "kwargs"),  # RQ 2.8
+}
+"""The order of ``Queue.parse_args``' plain tuple, by its length (RQ 2.9 names the fields)."""
 
 
 def parse_enqueue_args(f: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -116,11 +121,12 @@ def parse_enqueue_args(f: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
     parsed = Queue.parse_args(f, *args, **kwargs)
     if hasattr(parsed, "_asdict"):
         return dict(parsed._asdict())
-    if len(parsed) != len(_PLAIN_PARSED_ARGS):  # an RQ whose tuple this module cannot read
+    names = _PLAIN_PARSED_ARGS.get(len(parsed))
+    if names is None:  # an RQ whose tuple this module cannot read: nothing was enqueued
         raise TypeError(
             f"taskdedup cannot read this RQ release's Queue.parse_args ({len(parsed)} fields)"
         )
-    return dict(zip(_PLAIN_PARSED_ARGS, parsed, strict=True))
+    return dict(zip(names, parsed, strict=True))
 
 
 # -- job internals the worker and the synchronous queue set ------------------------------------
