@@ -133,3 +133,32 @@ def test_a_publish_retried_after_a_lost_reply_pushes_the_message_once(
     finally:
         redis_client.delete(queue)
         app.close()
+
+
+def test_a_broadcast_queue_is_gated_inside_the_script(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    """SPEC §6: a fanout (broadcast) publish is gated like any other, inside the script, and
+    never raises after publishing: the original is broadcast once, its duplicate not at all."""
+    from kombu.common import Broadcast
+
+    name = f"compat-bcast-{uuid.uuid4().hex[:8]}"
+    app = make_app(redis_url, "compat-default", task_queues=(Broadcast(name),))
+    task = declare(app, "compat.bcast")
+    listener = redis_client.pubsub()
+    listener.psubscribe(f"*{name}*")
+    try:
+        queue = Broadcast(name)
+        # Celery does not declare a Broadcast queue when it publishes; this producer does, so
+        # kombu knows the exchange is a fanout (a worker consuming it declares it too).
+        first = task.apply_async((1,), queue=queue, declare=[queue])
+        again = task.apply_async((1,), queue=queue, declare=[queue])
+        assert again.id == first.id
+        got: list[str] = []
+        while (message := listener.get_message(timeout=0.5)) is not None:
+            if message["type"] == "pmessage":
+                got.append(json.loads(message["data"])["headers"]["id"])
+        assert got == [first.id]
+    finally:
+        listener.close()
+        app.close()
