@@ -6,8 +6,13 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
+import ssl
+import subprocess
+import tempfile
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +22,7 @@ from kombu.transport import redis as kombu_redis
 
 from taskdedup import Policy
 from taskdedup.celery import DedupTask, RedisTransport, _compat, get_deduplicator
+from tests.proxy import Proxy
 
 RENAMED = "_queue_for_priority"
 
@@ -161,4 +167,66 @@ def test_a_broadcast_queue_is_gated_inside_the_script(
         assert got == [first.id]
     finally:
         listener.close()
+        app.close()
+
+
+@pytest.fixture
+def tls_proxy(redis_url: str) -> Iterator[tuple[str, Path]]:
+    """A TLS terminator in front of the test server (``rediss://`` only) and its CA file."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("no openssl CLI to make a test certificate")
+    folder = Path(tempfile.mkdtemp(prefix="taskdedup-celery-tls-"))
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(
+        [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    host, port = redis_url.split("://", 1)[1].split("/", 1)[0].rsplit(":", 1)
+    try:
+        with Proxy((host, int(port)), ssl_context=context) as proxy:
+            yield proxy.url, cert
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.parametrize("options", ["ca", "none", "explicit"])
+def test_rediss_keeps_tls_on_the_one_round_trip_publish(
+    tls_proxy: tuple[str, Path], redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch,
+    options: str,
+) -> None:
+    """A ``rediss://`` broker (the proxy speaks only TLS): the gated publish goes through
+    RedisTransport in one round trip and over TLS — with the URL's ``ssl_*`` options, and
+    without them (kombu's ``rediss`` default), with RedisTransport chosen by taskdedup or
+    named in ``broker_transport``."""
+    url, cert = tls_proxy
+    if options == "ca":
+        url += f"?ssl_cert_reqs=required&ssl_ca_certs={cert}"
+    queue = f"compat-tls-{uuid.uuid4().hex[:8]}"
+    app = make_app(url, queue)
+    if options == "explicit":
+        app.conf.broker_transport = "taskdedup.celery:RedisTransport"
+    task = declare(app, f"compat.tls-{options}")
+    try:
+        task.delay(0)  # connects, loads the script
+        counter: list[str] = []
+        original = redis.Redis.execute_command
+
+        def counting(client: redis.Redis, *args: Any, **kw: Any) -> Any:
+            counter.append(str(args[0]).upper())
+            return original(client, *args, **kw)
+
+        monkeypatch.setattr(redis.Redis, "execute_command", counting)
+        first = task.delay(1)
+        assert task.delay(1).id == first.id
+        monkeypatch.undo()
+        assert counter == ["EVALSHA", "EVALSHA"]
+        assert sorted(queued(redis_client, queue)) != [] and queued(redis_client, queue).count(
+            first.id) == 1
+    finally:
+        redis_client.delete(queue)
         app.close()

@@ -20,7 +20,6 @@ code (one INFO line says why). Features are detected, never version strings comp
 from __future__ import annotations
 
 import inspect
-import ssl
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,7 +33,6 @@ __all__ = [
     "flush_publish_batch",
     "forget_pending",
     "fused_push_missing",
-    "keep_rediss_tls",
     "message_id",
     "priority_queue_keys",
     "publish_topic_keys",
@@ -147,22 +145,6 @@ def flush_publish_batch(kwargs: dict[str, Any]) -> None:
     batch = kwargs.pop("_publish_batch", None)
     if batch is not None:
         batch.flush()
-
-
-def keep_rediss_tls(connection: Any) -> None:
-    """Turn TLS on for a ``rediss://`` URL as kombu does for its own ``rediss`` transport.
-
-    kombu reads TLS off the URL's scheme only when that scheme also names the transport; with
-    ``broker_transport`` set to ours, a ``rediss://`` URL without ``ssl_*`` options or
-    ``broker_use_ssl`` would connect in plain text. Same default and warning as kombu's.
-    """
-    if connection.ssl:
-        return
-    url = str((getattr(connection, "_initial_params", None) or {}).get("hostname") or "")
-    if url.split("://", 1)[0] in ("rediss", "valkeys"):
-        logger.warning("Secure redis scheme specified (rediss) with no ssl options, "
-                       "defaulting to insecure SSL behaviour.")
-        connection.ssl = {"ssl_cert_reqs": ssl.CERT_NONE}
 
 
 def transport_of(producer: Any) -> Any:

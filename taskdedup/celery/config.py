@@ -10,6 +10,7 @@ its own; decided once per app and logged.
 from __future__ import annotations
 
 import os
+import ssl
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -88,6 +89,14 @@ def _choose(app: Celery) -> tuple[bool, str]:
     if transport is RedisTransport or transport == TRANSPORT:
         if missing:
             return False, f"broker_transport is {TRANSPORT}, but {missing}: {own}"
+        if _bare_rediss(app):
+            # kombu infers TLS from a bare rediss:// only for its own 'rediss' transport: keep
+            # TLS here too, with kombu's default for that URL, and say so.
+            conf.broker_use_ssl = {"ssl_cert_reqs": ssl.CERT_NONE}
+            logger.warning(
+                "taskdedup: broker_transport is %s and the broker URL is rediss:// without ssl "
+                "options: broker_use_ssl set to kombu's default for rediss:// (TLS without "
+                "certificate checks); set broker_use_ssl yourself to check them", TRANSPORT)
         return True, "gated publishes reserve inside the broker's push (one round trip)"
     if transport is not None:
         return False, f"broker_transport is {transport!r}: {own}"
@@ -101,6 +110,12 @@ def _choose(app: Celery) -> tuple[bool, str]:
     return True, (f"gated publishes reserve inside the broker's push (one round trip), through "
                   f"producers of their own on {TRANSPORT} (other tasks keep kombu's transport; "
                   "taskdedup_fused_publish=False turns this off)")
+
+
+def _bare_rediss(app: Celery) -> bool:
+    url = app.conf.broker_url
+    return (isinstance(url, str) and url.startswith("rediss://") and "ssl_" not in url
+            and not app.conf.broker_use_ssl)
 
 
 def fused_producer(app: Celery, producer: Any = None) -> AbstractContextManager[Any]:
@@ -119,7 +134,10 @@ def fused_producer(app: Celery, producer: Any = None) -> AbstractContextManager[
     held: tuple[int, Any] | None = app.__dict__.get("_taskdedup_producers")
     pid = os.getpid()
     if held is None or held[0] != pid:
-        pool = pools.producers[app.connection_for_write(transport=RedisTransport)]
+        # TLS as kombu decides it for this URL with its own transport (a bare rediss:// gets
+        # kombu's default there, and would get none with a transport named otherwise).
+        tls = app.connection_for_write().ssl or None
+        pool = pools.producers[app.connection_for_write(transport=RedisTransport, ssl=tls)]
         pool.limit = app.pool.limit
         held = app.__dict__["_taskdedup_producers"] = (pid, pool)
     timeout = app.conf.get("broker_pool_acquire_timeout")  # a setting of Celery 5.7 only

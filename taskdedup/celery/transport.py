@@ -133,12 +133,9 @@ class RedisTransport(_compat.Transport):
     ``app.conf.broker_transport = "taskdedup.celery:RedisTransport"`` yourself. Messages
     without a reservation go through kombu's own code.
 
-    A ``rediss://`` URL keeps TLS: kombu turns TLS on by the URL's scheme only for its own
-    ``rediss`` transport, so this one does the same when no ``broker_use_ssl`` is given.
+    TLS comes from ``broker_use_ssl`` or the URL's ``ssl_*`` options: kombu infers it from a
+    bare ``rediss://`` only for its own ``rediss`` transport (taskdedup's own producers copy
+    that inference, see :func:`taskdedup.celery.config.fused_producer`).
     """
 
     Channel = _Channel
-
-    def __init__(self, client: Any, **kwargs: Any) -> None:
-        _compat.keep_rediss_tls(client)
-        super().__init__(client, **kwargs)  # type: ignore[no-untyped-call]
