@@ -230,3 +230,35 @@ def test_rediss_keeps_tls_on_the_one_round_trip_publish(
     finally:
         redis_client.delete(queue)
         app.close()
+
+
+def test_a_gated_publish_inside_a_kombu_publish_batch_keeps_the_order(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    """kombu 5.7's ``producer.batch()`` buffers pushes until the block ends; a gated message
+    cannot wait (its caller needs the gate's answer), so the buffered messages go first, then
+    the script: call order kept, a duplicate pushes nothing."""
+    from kombu import Producer
+
+    if not hasattr(Producer, "batch"):
+        pytest.skip("this kombu has no producer.batch()")
+    queue = f"compat-pbatch-{uuid.uuid4().hex[:8]}"
+    app = make_app(redis_url, queue, broker_transport="taskdedup.celery:RedisTransport")
+    task = declare(app, "compat.pbatch")
+
+    def plain(x: Any) -> Any:
+        return x
+
+    untouched = app.task(name="compat.pbatch-plain", shared=False)(plain)
+    try:
+        with app.producer_or_acquire() as producer, producer.batch():
+            before = untouched.apply_async((0,), producer=producer)
+            gated = task.apply_async((1,), producer=producer)
+            again = task.apply_async((1,), producer=producer)
+            after = untouched.apply_async((2,), producer=producer)
+        assert again.id == gated.id
+        oldest_first = list(reversed(queued(redis_client, queue)))
+        assert oldest_first == [before.id, gated.id, after.id]
+    finally:
+        redis_client.delete(queue)
+        app.close()
