@@ -80,9 +80,11 @@ class DedupTask(Task):  # type: ignore[misc]
 
     @classmethod
     def on_bound(cls, app: Celery) -> None:
-        """Decide the app's publish path (and log it) when the app is configured."""
+        """Decide the app's publish path (and log it) as soon as the app is configured; the
+        first gated publish decides otherwise (the order of publishes does not matter either
+        way: the one-round-trip publish has producers of its own)."""
         super().on_bound(app)
-        if cls._dedup_policy is not None:
+        if cls._dedup_policy is not None and app.configured:
             fuses(app)
 
     # -- enqueue gate ---------------------------------------------------------------------
