@@ -4,6 +4,7 @@ script, one round trip), on a real Redis and with a real worker."""
 from __future__ import annotations
 
 import json
+import threading
 import uuid
 from typing import Any
 
@@ -14,6 +15,7 @@ from celery import Celery
 from taskdedup import DuplicateTaskError, IdempotencyKeyMismatch, Policy, StoreUnavailableError
 from taskdedup.celery import DedupTask, RedisTransport, get_deduplicator
 from taskdedup.celery.config import fuses as _fuses
+from taskdedup.stores.redis import SCRIPTS
 from taskdedup.testing import wait_for
 from tests.workers import CeleryWorker
 
@@ -231,6 +233,7 @@ def test_a_task_whose_recent_calls_are_mostly_duplicates_checks_before_building_
     from celery import signals
 
     task = declare(app, "fused.mostly-duplicates")
+    redis_client.script_load(SCRIPTS["reserve"])  # what checking first runs: loaded already
     built: list[str] = []
 
     def count(headers: dict[str, Any] | None = None, **_: Any) -> None:
@@ -306,3 +309,75 @@ def test_a_worker_runs_what_the_transport_published_exactly_once(redis_url: str)
         worker.stop()
 
 
+
+
+class PushWatch:
+    """Who pushes to a queue, seen with MONITOR: kombu's own ``LPUSH`` or one run inside a
+    script (``enqueue.lua``)."""
+
+    def __init__(self, url: str, queue: str) -> None:
+        self.queue = queue
+        self.pushes: list[str] = []  # "lua" or "client" per LPUSH to the queue
+        self._client = redis.Redis.from_url(url)
+        self._done = f"pushwatch-{uuid.uuid4().hex}"
+        self._monitor = self._client.monitor().__enter__()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while True:
+            event = self._monitor.next_command()
+            command = str(event.get("command", ""))
+            if self._done in command:
+                return
+            if command.startswith("LPUSH") and self.queue in command:
+                self.pushes.append("lua" if event.get("client_type") == "lua" else "client")
+
+    def stop(self) -> list[str]:
+        self._client.echo(self._done)
+        self._thread.join(timeout=10)
+        self._monitor.__exit__(None, None, None)
+        self._client.close()
+        return self.pushes
+
+
+def test_a_default_app_worker_retries_through_the_one_round_trip_publish(
+    redis_url: str,
+) -> None:
+    """The realistic app on both sides (default configuration, broker = the lock Redis, a
+    plain task published first): the worker's ``self.retry`` republishes from a pool process
+    through taskdedup's own producers; the retry runs, and a third party's duplicate during
+    the countdown is suppressed."""
+    from tests import celery_app
+
+    queue = f"it-auto-{uuid.uuid4().hex[:6]}"
+    app = Celery("auto-worker", broker=redis_url, backend=redis_url, set_as_current=False)
+    app.conf.update(task_default_queue=queue, taskdedup_stats=False)
+    assert _fuses(app) and app.conf.broker_transport is None
+    plain = app.task(name=celery_app.plain.name, shared=False)(celery_app.plain.run)
+    retry_once = app.task(base=DedupTask, name=celery_app.retry_once.name, bind=True,
+                          dedup=Policy(mode="until_executed", ttl=60), max_retries=3,
+                          shared=False)(celery_app.retry_once.run.__func__)
+    client = redis.Redis.from_url(redis_url)
+    name = uuid.uuid4().hex[:12]
+    worker = CeleryWorker(redis_url, queue=queue, env={"TASKDEDUP_TEST_LOCK_URL": ""}).start()
+    watch = PushWatch(redis_url, queue)
+    try:
+        plain.delay(f"{name}-plain").get(timeout=30)
+        first = retry_once.apply_async((name,), {"countdown": 3})
+        key = get_deduplicator(app).identity(retry_once.name, retry_once._dedup_policy,
+                                             (name,), {"countdown": 3},
+                                             func=retry_once._func()).key
+        wait_for(lambda: client.get(f"attempts:{name}") == b"1", timeout=30,
+                 what="first attempt ran and asked for a retry")
+        assert retry_once.apply_async((name,), {"countdown": 3}).id == first.id
+        assert first.get(timeout=30) == name
+        assert client.lrange(f"effects:{name}", 0, -1) == [b"1", b"2"]
+        wait_for(lambda: not client.exists(key), timeout=10, what="released after success")
+        # kombu's own LPUSH for the plain task only; the gated publish and the worker's retry
+        # pushed inside the script
+        assert sorted(watch.stop()) == ["client", "lua", "lua"]
+    finally:
+        worker.stop()
+        client.close()
+        app.close()
