@@ -118,6 +118,9 @@ def test_a_worker_killed_with_sigkill_frees_the_lock_within_lease_and_a_reenqueu
         wait_for(lambda: not rc.exists(key), timeout=5, what="lock expired after SIGKILL")
     finally:
         doomed.kill()
+        # The dead worker's registration lives on in Redis (no death was recorded); a later
+        # RqWorker of this process may get the same name (named by id()) and RQ would refuse it.
+        rc.delete(f"rq:worker:{doomed.name}")
     rc.set(f"go:{name}", 1)
     fresh = RqWorker(redis_url, [queue], scheduler=False).start()
     try:
