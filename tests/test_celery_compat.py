@@ -262,3 +262,29 @@ def test_a_gated_publish_inside_a_kombu_publish_batch_keeps_the_order(
     finally:
         redis_client.delete(queue)
         app.close()
+
+
+def test_a_message_routed_to_two_queues_is_pushed_to_both_once(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    """kombu's Redis transport delivers a message bound to two queues with two pushes of one
+    publish: the first reserves, the second (the same owner) pushes too; a duplicate pushes
+    to neither."""
+    from kombu import Exchange, Queue
+
+    run = uuid.uuid4().hex[:8]
+    exchange = Exchange(f"compat-ex-{run}", "direct")
+    queues = [Queue(f"compat-q{i}-{run}", exchange, routing_key="rk") for i in (1, 2)]
+    app = make_app(redis_url, "compat-default")
+    task = declare(app, "compat.two-queues")
+    try:
+        with app.connection_for_write() as connection:
+            for queue in queues:
+                queue(connection.default_channel).declare()
+        first = task.apply_async((1,), exchange=exchange, routing_key="rk")
+        again = task.apply_async((1,), exchange=exchange, routing_key="rk")
+        assert again.id == first.id
+        assert [queued(redis_client, q.name) for q in queues] == [[first.id], [first.id]]
+    finally:
+        redis_client.delete(*(q.name for q in queues))
+        app.close()

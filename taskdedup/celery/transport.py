@@ -10,7 +10,7 @@ What this relies on in kombu lives in :mod:`taskdedup.celery._compat`.
 from __future__ import annotations
 
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
@@ -30,9 +30,10 @@ TRANSPORT = "taskdedup.celery:RedisTransport"
 class Fused:
     """A reservation for the pushes of message ``owner``, and the store's answer.
 
-    ``attempts`` counts the scripts sent for it: kombu resends a publish after a connection
-    error (Celery's ``task_publish_retry``), and a resent script must not push a second copy
-    when the first one ran and only its reply was lost.
+    ``unsure`` names the pushes (their queue or topic) whose script may have run although it
+    failed (a lost reply): kombu resends a publish after a connection error (Celery's
+    ``task_publish_retry``), and that resent script must not push a second copy. A message
+    routed to two queues is two pushes of one publish, each made once.
     """
 
     key: str
@@ -41,7 +42,7 @@ class Fused:
     check: str
     replace: bool
     result: LockResult | None = None
-    attempts: int = 0
+    unsure: set[str] = field(default_factory=set)
 
     def run(self, client: redis.Redis, commands: list[tuple[Any, ...]]) -> None:
         """Reserve and, if the gate lets the message through, run ``commands``: one script.
@@ -50,16 +51,18 @@ class Fused:
         retries its own push; the resent script recognises this owner's queued lock and pushes
         nothing again.
         """
-        resent = self.attempts > 0
-        self.attempts += 1
+        target = str(commands[0][1])
         try:
             self.result, _ = reserve_and_run(client, self.key, self.owner, self.ttl_ms,
-                                             self.check, self.replace, commands, resent=resent)
+                                             self.check, self.replace, commands,
+                                             resent=target in self.unsure)
         except StoreUnavailableError as exc:
             cause = exc.__cause__
             if may_have_run(exc) and isinstance(cause, redis.RedisError):
+                self.unsure.add(target)
                 raise cause from None
             raise
+        self.unsure.discard(target)
 
 
 def json_dumps(message: Any) -> str:
