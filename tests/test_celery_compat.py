@@ -288,3 +288,30 @@ def test_a_message_routed_to_two_queues_is_pushed_to_both_once(
     finally:
         redis_client.delete(*(q.name for q in queues))
         app.close()
+
+
+def test_queue_expiry_is_refreshed_inside_the_script_where_kombu_has_it(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    """kombu 5.7 expires a queue declared with ``x-expires`` and refreshes it on every push;
+    the fused push does the same inside its script. kombu 5.3 to 5.6 have no queue expiry (no
+    ``Channel._expires``): the publish works and sets none (it raised AttributeError after
+    pushing, issue #10)."""
+    from kombu import Queue
+
+    name = f"compat-expiring-{uuid.uuid4().hex[:8]}"
+    app = make_app(redis_url, name,
+                   task_queues=(Queue(name, queue_arguments={"x-expires": 60_000}),))
+    task = declare(app, "compat.expiring")
+    try:
+        first = task.delay(1)
+        assert task.delay(1).id == first.id
+        assert queued(redis_client, name) == [first.id]
+        ttl = redis_client.pttl(name)
+        if hasattr(kombu_redis.Channel, "_get_queue_expire"):
+            assert 0 < ttl <= 60_000
+        else:
+            assert ttl == -1
+    finally:
+        redis_client.delete(name)
+        app.close()
