@@ -238,7 +238,7 @@ class DedupQueue(Queue):
 
     # -- one round trip: reserve inside RQ's own enqueue -------------------------------------
 
-    def _fuses(self, job: Job, when: datetime | None) -> bool:
+    def _fuses(self, job: Job, when: datetime | None = None) -> bool:
         """Whether this job's reservation can ride in the script that writes and queues (or
         schedules) it: that path passed the queue's check, and the job has no dependencies
         (RQ WATCHes those) nor a rate limit (promoted in its own round trips)."""
