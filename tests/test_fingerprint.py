@@ -601,7 +601,7 @@ def test_positional_only_parameters() -> None:
     assert fingerprint("p", (1, 2), func=positional_only) == fingerprint(
         "p", (1,), {"b": 2}, func=positional_only
     )
-    with pytest.raises(TypeError, match="positional.only"):
+    with pytest.raises(TypeError, match=r"positional.only"):
         fingerprint("p", (), {"a": 1}, func=positional_only)
 
 

@@ -43,8 +43,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from ..exceptions import ConfigurationError, StoreUnavailableError
 from ._compat import NEVER_DECODE, raw_exchange
 from .base import LockInfo, LockResult, LockState, Outcome
-from .server import warn_once
 from .memory import check_check, check_ms, check_owner, parse_value
+from .server import warn_once
 
 __all__ = ["RedisStore"]
 
