@@ -201,22 +201,28 @@ def test_celery_retry_after_a_lost_reserve_reply_is_published(
         capp.configure(redis_url, queue="faults")
 
 
+@pytest.mark.parametrize("publish_retry", [True, False], ids=["celery-retries", "no-retry"])
 def test_celery_fused_publish_whose_reply_is_lost_leaves_one_message_and_the_retry_gets_it(
-    redis_url: str, proxy: Proxy
+    redis_url: str, proxy: Proxy, publish_retry: bool
 ) -> None:
     """With the broker on the lock Redis and ``taskdedup.celery:RedisTransport``, reserve and
-    push are one script: a lost reply leaves the message queued *with* its reservation, and
-    the caller's retry is answered with that message's id — no phantom, no second message."""
+    push are one script: a lost reply leaves the message queued *with* its reservation. With
+    Celery's ``task_publish_retry`` (the default) kombu sends the script again, which
+    recognises its own push: no error, one message. Without it the caller gets kombu's
+    ``OperationalError``, as a plain publish would, and the caller's retry is answered with
+    that message's id — no phantom, no second message either way."""
     import json
 
     from celery import Celery
+    from kombu.exceptions import OperationalError
 
     from taskdedup.celery import DedupTask
 
     app = Celery("faults-fused", broker=proxy.url)
     queue = f"faults-fused-{uuid.uuid4().hex[:6]}"
     app.conf.update(broker_transport="taskdedup.celery:RedisTransport", task_default_queue=queue,
-                    task_ignore_result=True, taskdedup_stats=False)
+                    task_ignore_result=True, taskdedup_stats=False,
+                    task_publish_retry=publish_retry)
 
     @app.task(base=DedupTask, dedup=Policy(ttl=60), name="tests.faults_fused.charge")
     def charge(order: str) -> str:
@@ -227,16 +233,24 @@ def test_celery_fused_publish_whose_reply_is_lost_leaves_one_message_and_the_ret
         charge.apply_async(("warm-up",))  # connects and loads the script
         lost = 0
         for n in range(REPEAT):
+            # Every retry below is a duplicate; keep the task off the check-first path (a
+            # separate reserve, which a high duplicate rate chooses) so the push is fused.
+            charge._dedup_duplicate_rate = 0.0
             proxy.cut_next_reply()
-            with pytest.raises(StoreUnavailableError):
-                charge.apply_async((f"order-{n}",))
+            if publish_retry:
+                first = charge.apply_async((f"order-{n}",))
+            else:
+                with pytest.raises(OperationalError):
+                    charge.apply_async((f"order-{n}",))
             lost += 1
             retry = charge.apply_async((f"order-{n}",))
             queued = [json.loads(m)["headers"]["id"] for m in rc.lrange(queue, 0, -1)]
             assert queued.count(retry.id) == 1  # the retry got the message that was pushed
+            if publish_retry:
+                assert first.id == retry.id
             assert len(queued) == n + 2  # warm-up + one message per order, never two
-        report("lost_reply_celery_fused_publish", replies_cut=lost, messages=len(queued) - 1,
-               duplicates=0, phantoms=0)
+        report(f"lost_reply_celery_fused_publish_{'retry' if publish_retry else 'no_retry'}",
+               replies_cut=lost, messages=len(queued) - 1, duplicates=0, phantoms=0)
     finally:
         rc.delete(queue)
         rc.close()
