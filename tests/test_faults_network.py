@@ -230,7 +230,7 @@ def test_celery_fused_publish_whose_reply_is_lost_leaves_one_message_and_the_ret
 
     rc = redis.Redis.from_url(redis_url)
     try:
-        charge.apply_async(("warm-up",))  # connects and loads the script
+        charge.apply_async((f"{queue}-warm-up",))  # connects and loads the script
         lost = 0
         for n in range(REPEAT):
             # Every retry below is a duplicate; keep the task off the check-first path (a
@@ -238,12 +238,12 @@ def test_celery_fused_publish_whose_reply_is_lost_leaves_one_message_and_the_ret
             charge._dedup_duplicate_rate = 0.0
             proxy.cut_next_reply()
             if publish_retry:
-                first = charge.apply_async((f"order-{n}",))
+                first = charge.apply_async((f"{queue}-order-{n}",))
             else:
                 with pytest.raises(OperationalError):
-                    charge.apply_async((f"order-{n}",))
+                    charge.apply_async((f"{queue}-order-{n}",))
             lost += 1
-            retry = charge.apply_async((f"order-{n}",))
+            retry = charge.apply_async((f"{queue}-order-{n}",))
             queued = [json.loads(m)["headers"]["id"] for m in rc.lrange(queue, 0, -1)]
             assert queued.count(retry.id) == 1  # the retry got the message that was pushed
             if publish_retry:
