@@ -70,7 +70,7 @@ def configure(url: str) -> None:
     Call before the first publish: each library connects lazily and caches its client.
     """
     os.environ[ENV_URL] = url
-    fused_app.conf.update(broker_url=url)  # locks in the broker: no taskdedup_url (see _fuses)
+    fused_app.conf.update(broker_url=url)  # locks in the broker: no taskdedup_url (see taskdedup.celery.config.fuses)
     realistic_app.conf.update(
         broker_url=url,
         ONCE={"backend": "celery_once.backends.Redis",
