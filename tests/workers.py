@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Self
 
@@ -130,7 +131,9 @@ class RqWorker(WorkerProcess):
         self.queues = list(queues)
         self.scheduler = scheduler
         self.worker_class = worker_class
-        self.name = f"rqw-{os.getpid()}-{id(self):x}"
+        # Unique for good: id(self) can come back for a new worker while RQ still lists a
+        # SIGKILLed one of that name as active, and RQ then refuses to start it.
+        self.name = f"rqw-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self._client: redis.Redis | None = None
 
     def command(self) -> list[str]:
