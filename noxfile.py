@@ -82,16 +82,24 @@ OLDER = [
 ]
 
 # The subset run on every older combination: the store's contract on that server and
-# redis-py, real Celery and RQ workers, the one-round-trip publish and enqueue, the shims that
-# differ between releases, and the README's own examples.
+# redis-py, the server checks, real Celery and RQ workers (retries, failures, SIGKILL,
+# redelivery), the one-round-trip publish and enqueue with their lost-reply handling, the shims
+# that differ between releases, and the README's own examples.
 SUBSET = [
     "tests/test_store_contract.py",
     "tests/test_store_compat.py",
+    "tests/test_doctor.py",
+    "tests/test_celery_unit.py",
     "tests/test_celery_worker.py",
     "tests/test_celery_fused.py",
+    "tests/test_celery_batch.py",
     "tests/test_celery_compat.py",
+    "tests/test_celery_faults.py",
     "tests/test_rq.py",
     "tests/test_rq_compat.py",
+    "tests/test_rq_faults.py",
+    "tests/test_faults_network.py",
+    "tests/test_faults_kill.py",
     "tests/test_readme.py",
     "tests/test_examples.py",
 ]

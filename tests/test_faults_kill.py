@@ -47,7 +47,8 @@ pytestmark = pytest.mark.slow
 
 LEASE_MS = 1500
 TTL_MS = 60_000
-FAST_RESTORE = {"TASKDEDUP_TEST_VISIBILITY": "4"}
+VISIBILITY = 4.0  # seconds: the broker's visibility_timeout for the killed workers
+FAST_RESTORE = {"TASKDEDUP_TEST_VISIBILITY": str(VISIBILITY)}
 IN_FLIGHT = 4  # bodies killed by one whole-worker kill
 WHOLE_ROUNDS = 2 * SCALE  # 8 bodies
 CHILD_KILLS = 12 * SCALE  # 12 bodies: 20 in all
@@ -135,6 +136,12 @@ def test_celery_sigkill_mid_task_every_task_completes_once_and_no_lock_outlives_
                 duplicates_sent += 1
             for label in labels:
                 rc.set(f"go:{label}", 1)
+            # kombu before 5.7 restores unacked messages on a worker's first poll and then
+            # only every hundred seconds: start the new worker once every message of the
+            # killed one is past its visibility timeout, so that first poll restores them.
+            wait_for(lambda: not rc.zrangebyscore("unacked_index",
+                                                  time.time() - VISIBILITY - 0.5, "+inf"),
+                     timeout=30, what="the killed worker's messages past visibility_timeout")
             worker = capp.FaultCeleryWorker(redis_url, queue=queue, concurrency=IN_FLIGHT,
                                             env=FAST_RESTORE).start()
             wait_for(lambda labels=labels: settled(labels), timeout=90,

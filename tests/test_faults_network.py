@@ -49,9 +49,14 @@ def proxy(redis_url: str) -> Iterator[Proxy]:
 
 
 def retrying_store(proxy: Proxy) -> RedisStore:
-    """redis-py's own defaults for a client made from host and port: 10 retries."""
-    client = redis.Redis(host="127.0.0.1", port=proxy.port)
-    assert client.connection_pool.connection_kwargs["retry"].get_retries() > 0
+    """A client that retries connection errors, as redis-py's defaults do from 6.0 on (5.x
+    retries nothing unless told): the lost reply is sent again."""
+    from redis.backoff import ExponentialBackoff
+    from redis.retry import Retry
+
+    client = redis.Redis(host="127.0.0.1", port=proxy.port,
+                         retry=Retry(ExponentialBackoff(cap=0.5, base=0.01), 10),
+                         retry_on_error=[redis.ConnectionError, redis.TimeoutError])
     return warm(RedisStore(client))
 
 
