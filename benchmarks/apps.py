@@ -70,7 +70,8 @@ def configure(url: str) -> None:
     Call before the first publish: each library connects lazily and caches its client.
     """
     os.environ[ENV_URL] = url
-    fused_app.conf.update(broker_url=url)  # locks in the broker: no taskdedup_url (see taskdedup.celery.config.fuses)
+    # the locks live in the broker: no taskdedup_url (see taskdedup.celery.config.fuses)
+    fused_app.conf.update(broker_url=url)
     realistic_app.conf.update(
         broker_url=url,
         ONCE={"backend": "celery_once.backends.Redis",
@@ -88,92 +89,54 @@ def configure(url: str) -> None:
 # -- Celery tasks: one per library, same signature, same body ----------------------------------
 
 
-@app.task(name="bench.plain")
-def charge_plain(user_id: int, amount_cents: int, currency: str, order_id: str, run: str) -> None:
+def _charge(user_id: int, amount_cents: int, currency: str, order_id: str, run: str) -> None:
+    """The one body every benchmark task runs."""
     effect(run)
 
 
-@app.task(name="bench.dedup", base=DedupTask, dedup=POLICY)
-def charge_dedup(user_id: int, amount_cents: int, currency: str, order_id: str, run: str) -> None:
-    effect(run)
-
-
-@fused_app.task(name="bench.fused", base=DedupTask, dedup=POLICY)
-def charge_fused(
-    user_id: int, amount_cents: int, currency: str, order_id: str, run: str
-) -> None:
-    effect(run)
-
+charge_plain: Any = app.task(name="bench.plain")(_charge)
+charge_dedup: Any = app.task(name="bench.dedup", base=DedupTask, dedup=POLICY)(_charge)
+charge_fused: Any = fused_app.task(name="bench.fused", base=DedupTask, dedup=POLICY)(_charge)
 
 MISSING: dict[str, str] = {}
 """Competitors that could not be imported: name → the error (the bench extra is optional)."""
 
-charge_once: Any = None
-charge_singleton: Any = None
-HAVE_ONCE = HAVE_SINGLETON = False
-
+QueueOnce: Any = None
+Singleton: Any = None
 try:
     from celery_once import QueueOnce
 except Exception as exc:  # not installed, or broken with this Celery
     MISSING["celery-once"] = f"{type(exc).__name__}: {exc}"
-else:
-    @app.task(name="bench.once", base=QueueOnce, once={"graceful": True, "timeout": 600})
-    def _charge_once(
-        user_id: int, amount_cents: int, currency: str, order_id: str, run: str
-    ) -> None:
-        effect(run)
-
-    charge_once, HAVE_ONCE = _charge_once, True
-
 try:
     from celery_singleton import Singleton
 except Exception as exc:
     MISSING["celery-singleton"] = f"{type(exc).__name__}: {exc}"
-else:
-    @app.task(name="bench.singleton", base=Singleton)
-    def _charge_singleton(
-        user_id: int, amount_cents: int, currency: str, order_id: str, run: str
-    ) -> None:
-        effect(run)
-
-    charge_singleton, HAVE_SINGLETON = _charge_singleton, True
+HAVE_ONCE, HAVE_SINGLETON = QueueOnce is not None, Singleton is not None
 
 
-# -- the realistic app: plain and gated tasks together, default configuration ------------------
+def _peers(target: Celery, prefix: str) -> dict[str, Any]:
+    """The installed peers' tasks in ``target``, named ``{prefix}.once`` and ``.singleton``."""
+    tasks: dict[str, Any] = {}
+    if HAVE_ONCE:
+        tasks["celery-once"] = target.task(name=f"{prefix}.once", base=QueueOnce,
+                                           once={"graceful": True, "timeout": 600})(_charge)
+    if HAVE_SINGLETON:
+        tasks["celery-singleton"] = target.task(name=f"{prefix}.singleton",
+                                                base=Singleton)(_charge)
+    return tasks
 
 
-@realistic_app.task(name="bench.realistic.plain")
-def _realistic_plain(
-    user_id: int, amount_cents: int, currency: str, order_id: str, run: str
-) -> None:
-    effect(run)
+_bench_peers = _peers(app, "bench")
+charge_once: Any = _bench_peers.get("celery-once")
+charge_singleton: Any = _bench_peers.get("celery-singleton")
 
-
-@realistic_app.task(name="bench.realistic.dedup", base=DedupTask, dedup=POLICY)
-def _realistic_dedup(
-    user_id: int, amount_cents: int, currency: str, order_id: str, run: str
-) -> None:
-    effect(run)
-
-
-realistic.update(plain=_realistic_plain, taskdedup=_realistic_dedup)
-if HAVE_ONCE:
-    @realistic_app.task(name="bench.realistic.once", base=QueueOnce,
-                        once={"graceful": True, "timeout": 600})
-    def _realistic_once(
-        user_id: int, amount_cents: int, currency: str, order_id: str, run: str
-    ) -> None:
-        effect(run)
-
-    realistic["celery-once"] = _realistic_once
-if HAVE_SINGLETON:
-    @realistic_app.task(name="bench.realistic.singleton", base=Singleton)
-    def _realistic_singleton(
-        user_id: int, amount_cents: int, currency: str, order_id: str, run: str
-    ) -> None:
-        effect(run)
-
-    realistic["celery-singleton"] = _realistic_singleton
+# The realistic app: plain and gated tasks together, default configuration.
+realistic.update(
+    plain=realistic_app.task(name="bench.realistic.plain")(_charge),
+    taskdedup=realistic_app.task(name="bench.realistic.dedup", base=DedupTask,
+                                 dedup=POLICY)(_charge),
+    **_peers(realistic_app, "bench.realistic"),
+)
 
 
 if os.environ.get(ENV_URL):  # a worker subprocess

@@ -66,6 +66,18 @@ def extra_rts(gated: Row | None, plain: Row | None) -> float | None:
     return gated.round_trips - plain.round_trips
 
 
+def ahead_bar(bar: str, ours: Row | None, theirs: Row | None) -> Bar:
+    """Whether ``ours`` keeps more of plain's throughput than a peer, in most paired runs."""
+    target = "higher median ratio, ahead in most runs"
+    if ours is None or theirs is None or ours.ratio is None or theirs.ratio is None:
+        return Bar(bar, target, "not measured", None)
+    pairs = list(zip(ours.ratios or [], theirs.ratios or [], strict=True))
+    wins = sum(1 for a, b in pairs if a > b)
+    return Bar(bar, target,
+               f"{ours.ratio:.2f}x vs {theirs.ratio:.2f}x; ahead in {wins} of {len(pairs)} runs",
+               ours.ratio > theirs.ratio and wins * 2 > len(pairs))
+
+
 def bars(rows: list[Row], memory_keys: int) -> list[Bar]:
     """Evaluate every performance bar against this run's rows."""
     out: list[Bar] = []
@@ -87,17 +99,8 @@ def bars(rows: list[Row], memory_keys: int) -> list[Bar]:
                    "not measured" if real_extra is None else f"+{real_extra:.2f} round trips",
                    None if real_extra is None else real_extra <= 1e-9))
     for peer in ("celery-once", "celery-singleton"):
-        ours, theirs = real.get(realistic.GATED), real.get(peer)
-        bar = f"Realistic app: ahead of {peer} in the same run"
-        target = "higher median ratio, ahead in most runs"
-        if ours is None or theirs is None or ours.ratio is None or theirs.ratio is None:
-            out.append(Bar(bar, target, "not measured", None))
-            continue
-        pairs = list(zip(ours.ratios or [], theirs.ratios or [], strict=True))
-        wins = sum(1 for a, b in pairs if a > b)
-        out.append(Bar(bar, target, f"{ours.ratio:.2f}x vs {theirs.ratio:.2f}x; ahead in "
-                       f"{wins} of {len(pairs)} runs",
-                       ours.ratio > theirs.ratio and wins * 2 > len(pairs)))
+        out.append(ahead_bar(f"Realistic app: ahead of {peer} in the same run",
+                             real.get(realistic.GATED), real.get(peer)))
 
     celery_d = _find(rows, "celery publish (distinct)", SEPARATE)
     plain_d = _find(rows, "celery publish (distinct)", "plain Celery apply_async")
@@ -134,17 +137,8 @@ def bars(rows: list[Row], memory_keys: int) -> list[Bar]:
         for peer in ("celery-once QueueOnce", "celery-singleton Singleton"):
             theirs = _find(rows, section, peer)
             how = "reserve inside the push, default" if mine == FUSED else "own round trip"
-            bar = f"Lower overhead than {peer.split()[0]} ({scenario} args, {how})"
-            target = "higher median ratio, ahead in most runs"
-            if ours is None or theirs is None or ours.ratio is None or theirs.ratio is None:
-                out.append(Bar(bar, target, "not measured", None))
-                continue
-            pairs = list(zip(ours.ratios or [], theirs.ratios or [], strict=True))
-            wins = sum(1 for a, b in pairs if a > b)
-            out.append(Bar(bar, target,
-                           f"{ours.ratio:.2f}x vs {theirs.ratio:.2f}x; ahead in {wins} of "
-                           f"{len(pairs)} runs",
-                           ours.ratio > theirs.ratio and wins * 2 > len(pairs)))
+            out.append(ahead_bar(
+                f"Lower overhead than {peer.split()[0]} ({scenario} args, {how})", ours, theirs))
 
     workers = [r for r in rows if r.section.startswith(("celery worker", "rq worker"))
                and r.baseline is not None]
