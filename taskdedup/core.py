@@ -77,6 +77,8 @@ class GateCall:
     identity: Identity
     owner: str
     ttl_ms: int
+    fresh: bool = False
+    """A new call, not a retry or a republish of ``owner``'s message (see ``gate``)."""
 
 
 class Deduplicator:
@@ -147,8 +149,12 @@ class Deduplicator:
         owner: str,
         *,
         ttl_ms: int | None = None,
+        fresh: bool = False,
     ) -> GateResult:
         """Reserve ``identity`` for ``owner`` at enqueue (one round trip).
+
+        ``fresh``: a new call, not a retry or a republish of ``owner``'s message; when it
+        reuses an explicit id whose lock is held by that id, it is a duplicate of itself.
 
         Raises:
             IdempotencyKeyMismatch: an explicit key is held with other arguments.
@@ -157,10 +163,12 @@ class Deduplicator:
         ttl_ms = ttl_ms or policy.ttl_ms
         started = time.perf_counter()
         try:
+            # fresh only when set: a store written before ``fresh`` still takes the call
+            extra = {"fresh": True} if fresh else {}
             if policy.on_duplicate is OnDuplicate.REPLACE:
-                result = self.store.replace(identity.key, owner, ttl_ms, identity.check)
+                result = self.store.replace(identity.key, owner, ttl_ms, identity.check, **extra)
             else:
-                result = self.store.reserve(identity.key, owner, ttl_ms, identity.check)
+                result = self.store.reserve(identity.key, owner, ttl_ms, identity.check, **extra)
         except StoreUnavailableError as exc:
             if policy.on_store_error is OnStoreError.RAISE:
                 self._forget_reservation(identity.key, owner)
@@ -185,12 +193,32 @@ class Deduplicator:
             i for i, call in enumerate(calls)
             if call.policy.on_duplicate is not OnDuplicate.REPLACE
         ]
+        # One pipeline per kind of call (fresh or not: nearly always one kind).
+        groups = [[i for i in batched if calls[i].fresh is fresh] for fresh in (False, True)]
+        for fresh, group in zip((False, True), groups, strict=True):
+            if group:
+                self._gate_bulk(calls, group, answers, bulk, fresh)  # type: ignore[arg-type]
+        for i, call in enumerate(calls):
+            if answers[i] is None:
+                try:
+                    answers[i] = self.gate(call.name, call.policy, call.identity, call.owner,
+                                           ttl_ms=call.ttl_ms, fresh=call.fresh)
+                except (IdempotencyKeyMismatch, StoreUnavailableError) as error:
+                    answers[i] = error
+        return answers  # type: ignore[return-value]  # every slot is filled
+
+    def _gate_bulk(
+        self, calls: Sequence[GateCall], batched: list[int],
+        answers: list[GateResult | IdempotencyKeyMismatch | StoreUnavailableError | None],
+        bulk: Callable[..., list[LockResult]], fresh: bool,
+    ) -> None:
+        """The calls ``batched`` (indexes into ``calls``) in one ``reserve_many``."""
         if batched:
-            assert bulk is not None
+            extra = {"fresh": True} if fresh else {}
             started = time.perf_counter()
             try:
                 locks = bulk([(calls[i].identity.key, calls[i].owner, calls[i].ttl_ms,
-                               calls[i].identity.check) for i in batched])
+                               calls[i].identity.check) for i in batched], **extra)
             except StoreUnavailableError as exc:
                 self._forget_reservations(
                     [calls[i] for i in batched
@@ -212,14 +240,6 @@ class Deduplicator:
                                                   seconds)
                     except IdempotencyKeyMismatch as mismatch:
                         answers[i] = mismatch
-        for i, call in enumerate(calls):
-            if answers[i] is None:
-                try:
-                    answers[i] = self.gate(call.name, call.policy, call.identity, call.owner,
-                                           ttl_ms=call.ttl_ms)
-                except (IdempotencyKeyMismatch, StoreUnavailableError) as error:
-                    answers[i] = error
-        return answers  # type: ignore[return-value]  # every slot is filled
 
     def _forget_reservations(self, calls: Sequence[GateCall]) -> None:
         """:meth:`_forget_reservation` for each call, stopping at the first that cannot

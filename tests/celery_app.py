@@ -151,6 +151,41 @@ def long_running(label: str) -> str:
     return label
 
 
+@app.task(base=DedupTask, dedup=Policy(mode="until_executed", ttl=60, lease=30), time_limit=1)
+def too_slow_long_lease(label: str) -> None:
+    """Killed by the hard time limit long before its lease would free the lock."""
+    effect(label, "start")
+    time.sleep(30)
+
+
+class FlakyReporterTask(DedupTask):
+    """``on_failure`` reports to an error tracker that is unreachable on the first report of
+    each task: Celery's internal-error path (the hook's error is reported as the failure,
+    after the request was popped)."""
+
+    def on_failure(self, exc: Exception, task_id: str, args: object, kwargs: object,
+                   einfo: object) -> None:
+        if r().incr(f"reported:{task_id}") == 1:
+            raise ConnectionError("error tracker unreachable")
+
+
+@app.task(base=FlakyReporterTask, dedup=Policy(mode="until_executed", ttl=60, lease=3))
+def fails_with_flaky_reporter(label: str) -> None:
+    effect(label)
+    raise RuntimeError("body fails")
+
+
+@app.task(base=DedupTask, bind=True, dedup=Policy(mode="until_expired", ttl=60), max_retries=3)
+def retry_without_throw(self: DedupTask, label: str, countdown: float = 1.0) -> str:
+    """Asks for a retry with ``throw=False`` on its first attempt, then returns normally: the
+    first execution is a SUCCESS and the retry must still run."""
+    attempt = r().incr(f"attempts:{label}")
+    effect(label, attempt)
+    if attempt == 1:
+        self.retry(countdown=countdown, throw=False)
+    return f"{label}:{attempt}"
+
+
 @app.task(base=DedupTask, dedup=Policy(ttl=60, on_duplicate="raise"))
 def strict(label: str) -> str:
     effect(label)

@@ -281,6 +281,35 @@ def test_gate_by_the_same_id_is_accepted(dedup: Deduplicator) -> None:
     assert dedup.gate(TASK, p, identity, A).verdict is Verdict.ACCEPTED
 
 
+def test_a_fresh_gate_by_the_same_id_is_a_duplicate_of_itself(
+    dedup: Deduplicator, store: MemoryStore
+) -> None:
+    """An explicit id reused by a new call (``fresh``), queued or running: a duplicate; a
+    store written before ``fresh`` is called as before for calls that are not fresh."""
+    p = Policy()
+    identity = ident(dedup, p, 1)
+    dedup.gate(TASK, p, identity, A)
+    result = dedup.gate(TASK, p, identity, A, fresh=True)
+    assert (result.verdict, result.existing_id, result.state) == (
+        Verdict.DUPLICATE, A, LockState.QUEUED)
+    store.claim(identity.key, A, 60_000)
+    assert dedup.gate(TASK, p, identity, A, fresh=True).verdict is Verdict.DUPLICATE
+    assert dedup.gate(TASK, p, identity, A).verdict is Verdict.ACCEPTED  # a retry
+
+
+def test_gate_many_passes_fresh_per_call(dedup: Deduplicator) -> None:
+    p = Policy()
+    one, two = ident(dedup, p, 1), ident(dedup, p, 2)
+    dedup.gate(TASK, p, one, A)
+    dedup.gate(TASK, p, two, B)
+    answers = dedup.gate_many([
+        GateCall(TASK, p, one, A, 60_000, fresh=True),
+        GateCall(TASK, p, two, B, 60_000),
+    ])
+    assert [a.verdict for a in answers] == [  # type: ignore[union-attr]
+        Verdict.DUPLICATE, Verdict.ACCEPTED]
+
+
 def test_gate_after_the_reservation_expired_is_accepted(
     dedup: Deduplicator, clock: FakeClock
 ) -> None:

@@ -349,19 +349,113 @@ def test_heartbeat_of_an_absent_lock_is_not_owner_and_creates_nothing(store: Sto
     assert store.get("k") is None
 
 
-# -- complete --------------------------------------------------------------------------------
+# -- fresh calls (an explicit id reused) -------------------------------------------------------
 
 
 @STATES
-def test_complete_marks_its_own_lock_done_for_the_ttl_and_keeps_the_check(
+@pytest.mark.parametrize("method", ["reserve", "replace"])
+def test_fresh_call_of_the_owners_own_lock_is_a_duplicate_of_itself(
+    store: Store, state: LockState, method: str
+) -> None:
+    """A fresh call (not a retry or a republish) reusing an explicit id finds the lock of
+    that id: a duplicate in any state, and nothing is written."""
+    hold(store, "k", A, state, C1)
+    before = info(store, "k")
+    result = getattr(store, method)("k", A, LONG, C1, fresh=True)
+    assert result == LockResult(Outcome.DUPLICATE, A, state)
+    assert info(store, "k") == before
+
+
+@pytest.mark.parametrize("method", ["reserve", "replace"])
+def test_fresh_call_is_gated_as_any_other_otherwise(store: Store, method: str) -> None:
+    assert getattr(store, method)("k", A, LONG, fresh=True) == ACQUIRED
+    assert info(store, "k") == (Q, A, "")
+    held = getattr(store, method)("k", B, LONG, fresh=True)
+    expected = LockResult(Outcome.REPLACED, A, Q) if method == "replace" else (
+        LockResult(Outcome.DUPLICATE, A, Q))
+    assert held == expected
+
+
+@STATES
+def test_not_fresh_call_of_the_owners_own_lock_keeps_todays_answer(
     store: Store, state: LockState
 ) -> None:
-    hold(store, "k", A, state, C1)
+    """A retry or a republish by the same id (fresh=False, the default) is accepted (queued
+    or running) or a duplicate (done), as before."""
+    hold(store, "k", A, state)
+    expected = LockResult(Outcome.DUPLICATE, A, D) if state is D else ACQUIRED
+    assert store.reserve("k", A, LONG, fresh=False) == expected
+
+
+def test_reserve_many_fresh_applies_to_every_item(store: MemoryStore | RedisStore) -> None:
+    hold(store, "mine", A, R)
+    results = store.reserve_many([("mine", A, LONG, ""), ("new", A, LONG, "")], fresh=True)
+    assert results == [LockResult(Outcome.DUPLICATE, A, R), ACQUIRED]
+    assert store.reserve_many([("mine", A, LONG, "")]) == [ACQUIRED]  # a retry: requeued
+    assert info(store, "mine") == (Q, A, "")
+
+
+def test_reserve_and_run_fresh_runs_no_command_for_the_owners_own_lock(
+    redis_store: RedisStore,
+) -> None:
+    """The one-round-trip gate (Celery's RedisTransport, RQ's DedupQueue) takes ``fresh``
+    too; without it (RQ) the owner's own queued lock is accepted as before."""
+    from taskdedup.stores.redis import reserve_and_run
+
+    client = redis_store.client
+    hold(redis_store, "k", A, R)
+    push = [("RPUSH", "queue", "m")]
+    lock, _ = reserve_and_run(client, "k", A, LONG, "", False, push, fresh=True)
+    assert lock == LockResult(Outcome.DUPLICATE, A, R)
+    assert client.llen("queue") == 0
+    assert info(redis_store, "k") == (R, A, "")
+    lock, _ = reserve_and_run(client, "k", A, LONG, "", False, push)
+    assert lock == ACQUIRED
+    assert client.llen("queue") == 1
+    lock, _ = reserve_and_run(client, "k", A, LONG, "", True, push, fresh=True)
+    assert lock == LockResult(Outcome.DUPLICATE, A, Q)
+    assert client.llen("queue") == 1
+
+
+# -- complete --------------------------------------------------------------------------------
+
+
+def test_complete_marks_its_own_running_lock_done_for_the_ttl_and_keeps_the_check(
+    store: Store,
+) -> None:
+    hold(store, "k", A, R, C1)
     assert store.complete("k", A, 30_000) is Outcome.OK
     lock = store.get("k")
     assert lock is not None
     assert (lock.state, lock.owner, lock.check) == (D, A, C1)
     assert 0 < lock.ttl_ms <= 30_000
+
+
+@pytest.mark.parametrize("ttl_ms", [0, 30_000])
+def test_complete_leaves_its_own_queued_lock_for_the_pending_retry(
+    store: Store, ttl_ms: int
+) -> None:
+    """``self.retry(throw=False)`` then a normal return: the retry re-reserved the lock (R →
+    Q) before the body completed; completing must not turn it into DONE (the retry's claim
+    would skip it) nor delete it (a duplicate would get in meanwhile)."""
+    hold(store, "k", A, R, C1)
+    assert store.reserve("k", A, LONG, C1) == ACQUIRED  # the retry's publish
+    assert store.complete("k", A, ttl_ms) is Outcome.OK
+    assert info(store, "k") == (Q, A, C1)
+    lock = store.get("k")
+    assert lock is not None and lock.ttl_ms > 30_000
+    assert store.claim("k", A, LONG) == ACQUIRED  # the retry runs
+
+
+@pytest.mark.parametrize("ttl_ms", [0, 30_000])
+def test_complete_leaves_its_own_done_lock_as_it_is(store: Store, ttl_ms: int) -> None:
+    hold(store, "k", A, D, C1)
+    before = store.get("k")
+    assert store.complete("k", A, ttl_ms) is Outcome.OK
+    after = store.get("k")
+    assert before is not None and after is not None
+    assert (after.state, after.owner, after.check) == (D, A, C1)
+    assert after.ttl_ms <= before.ttl_ms
 
 
 def test_complete_with_a_zero_ttl_deletes_its_own_lock(store: Store) -> None:

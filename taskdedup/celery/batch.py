@@ -34,6 +34,7 @@ class Deferred:
     link: Any
     link_error: Any
     options: Mapping[str, Any]
+    fresh: bool = False
 
 
 class Batch:
@@ -69,7 +70,7 @@ class Batch:
             by_dedup.setdefault(id(dedup), (dedup, []))[1].append(index)
         for dedup, indexes in by_dedup.values():
             calls = [
-                GateCall(c.task.name, c.policy, c.identity, c.task_id, c.ttl_ms)
+                GateCall(c.task.name, c.policy, c.identity, c.task_id, c.ttl_ms, c.fresh)
                 for c in (pending[i][0] for i in indexes)
             ]
             for index, answer in zip(indexes, dedup.gate_many(calls), strict=True):

@@ -1,9 +1,12 @@
 """The worker guard's bookkeeping, on Celery's signals: complete or release the lock.
 
 ``task_success`` completes it; ``task_failure`` (also sent by the worker's main process for a
-lost worker or a hard time limit), ``task_revoked`` and ``task_postrun`` (for ``Ignore`` /
-``Reject``) release it; ``task_retry`` keeps it for the retry. Signals also cover tasks sent by
-name from another process. Importing this module connects the handlers (once).
+lost worker or a hard time limit, and after the request was popped on Celery's internal-error
+path), ``task_internal_error``, ``task_revoked`` and ``task_postrun`` (for ``Ignore`` /
+``Reject``) release it; ``task_retry`` keeps it for the retry. Every handler finds the lock by
+task id first (:mod:`taskdedup.celery.claims`), then by the message's header, and recomputes
+it from the arguments only as a last resort. Signals also cover tasks sent by name from
+another process. Importing this module connects the handlers (once).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from celery import signals
 
 from .. import stats
 from ..policy import Mode
-from . import _compat
+from . import _compat, claims
 from ._message import HEADER, SKIPPED, STATE_ATTR, carried_key, is_off, request_header
 from .config import get_deduplicator
 from .task import DedupTask
@@ -31,7 +34,8 @@ def _on_success(sender: Any = None, **_: Any) -> None:
     if task is None:
         return
     request = task.request
-    key = getattr(request, STATE_ATTR, None)
+    key = claims.lookup(request.id, task.name) or getattr(request, STATE_ATTR, None)
+    claims.forget(request.id)
     if key and key != SKIPPED:
         get_deduplicator(task.app).finish(
             task.name, task._dedup_policy, key, request.id, success=True  # type: ignore[arg-type]
@@ -45,15 +49,35 @@ def _on_failure(
     if task is None or task_id is None:
         return
     key = _key_for(task, task_id, args, kwargs)
+    claims.forget(task_id)
     if key:
         get_deduplicator(task.app).release(task.name, key, task_id, reason="failed")
+
+
+def _on_internal_error(
+    sender: Any = None, task_id: str | None = None, request: Any = None, **_: Any
+) -> None:
+    """Celery's internal-error path (a failing ``on_failure`` hook, a result that cannot be
+    stored): the request is popped, and ``task_failure`` may follow or not. The task is a
+    FAILURE: release the lock it claimed, or the reservation its message carries."""
+    task = _dedup_task(sender)
+    if task is None or task_id is None:
+        return
+    key = claims.lookup(task_id, task.name)
+    if key is None:
+        raw = request.get(HEADER) if isinstance(request, dict) else request_header(request)
+        key = claims.header_key(raw, task.name)[1]
+    claims.forget(task_id)
+    if key:
+        get_deduplicator(task.app).release(task.name, key, task_id, reason="internal_error")
 
 
 def _on_retry(sender: Any = None, request: Any = None, **_: Any) -> None:
     task = _dedup_task(sender)
     if task is None or request is None:
         return
-    key = getattr(request, STATE_ATTR, None)
+    key = claims.lookup(request.id, task.name) or getattr(request, STATE_ATTR, None)
+    claims.forget(request.id)
     if not key or key == SKIPPED:
         return
     dedup = get_deduplicator(task.app)
@@ -67,12 +91,22 @@ def _on_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
     task = _dedup_task(sender)
     if task is None or request is None:
         return
-    raw = _compat.request_dict(request).get(HEADER)
-    key = carried_key(raw, task.name) or getattr(request, STATE_ATTR, None)
-    if key is None and not is_off(raw, task.name):
-        key = _recompute(task, request.args, request.kwargs)
-    if key and key != SKIPPED:
-        get_deduplicator(task.app).release(task.name, key, request.id, reason="revoked")
+    # Celery 5.3-5.7 send a Context built from the message (headers as attributes), not the
+    # Request: its header is read from the attribute when there is no request_dict.
+    task_id = request.id
+    key = claims.lookup(task_id, task.name)
+    if key is None:
+        raw = _compat.request_dict(request).get(HEADER) or request_header(request)
+        known, key = claims.header_key(raw, task.name)
+        if not known:
+            known, key = claims.header_key(claims.received_header(task_id), task.name)
+        if not known:
+            key = getattr(request, STATE_ATTR, None)
+            if key is None:
+                key = _recompute(task, request.args, request.kwargs)
+    claims.forget(task_id)
+    if key and key != SKIPPED and task_id:
+        get_deduplicator(task.app).release(task.name, key, task_id, reason="revoked")
 
 
 def _on_postrun(sender: Any = None, task_id: str | None = None, state: str | None = None,
@@ -82,13 +116,19 @@ def _on_postrun(sender: Any = None, task_id: str | None = None, state: str | Non
     task = _dedup_task(sender)
     if task is None or task_id is None:
         return
-    key = getattr(task.request, STATE_ATTR, None)
+    key = claims.lookup(task_id, task.name) or getattr(task.request, STATE_ATTR, None)
+    claims.forget(task_id)
     if key and key != SKIPPED:
         get_deduplicator(task.app).release(task.name, key, task_id, reason=state.lower())
 
 
 def _key_for(task: DedupTask, task_id: str, args: Any, kwargs: Any) -> str | None:
-    """The lock key of ``task_id``, in the pool process or in the worker's main process."""
+    """The lock key of ``task_id``, in the pool process or in the worker's main process: the
+    lock it claimed here, else its request's header, else the header of the message the main
+    process received, and only as a last resort a recomputation from the arguments."""
+    claimed = claims.lookup(task_id, task.name)
+    if claimed is not None:
+        return claimed
     request = task.request
     if request is not None and request.id == task_id:
         key = getattr(request, STATE_ATTR, None)
@@ -100,8 +140,11 @@ def _key_for(task: DedupTask, task_id: str, args: Any, kwargs: Any) -> str | Non
         carried = carried_key(raw, task.name)
         if carried is not None:
             return carried
-    # Main process after a lost worker or a hard time limit, without the request: recompute.
-    # (An explicit dedup_key cannot be recomputed; that lock frees itself within ``lease``.)
+    # Main process after a lost worker or a hard time limit: the message it received.
+    known, key = claims.header_key(claims.received_header(task_id), task.name)
+    if known:
+        return key
+    # Sent by name, or from a client without taskdedup: the key was made from the arguments.
     return _recompute(task, args, kwargs)
 
 
@@ -121,6 +164,8 @@ signals.task_success.connect(_on_success, weak=False)
 signals.task_failure.connect(_on_failure, weak=False)
 signals.task_retry.connect(_on_retry, weak=False)
 signals.task_revoked.connect(_on_revoked, weak=False)
+signals.task_internal_error.connect(_on_internal_error, weak=False)
+signals.task_received.connect(lambda request=None, **_: claims.receive(request), weak=False)
 signals.task_postrun.connect(_on_postrun, weak=False)
 # Pool processes exit without atexit handlers: flush the last counts explicitly.
 signals.worker_process_shutdown.connect(lambda **_: stats.flush_all(), weak=False)

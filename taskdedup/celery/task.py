@@ -27,7 +27,7 @@ from ..events import logger
 from ..exceptions import ConfigurationError, StoreUnavailableError
 from ..policy import OnDuplicate, Policy, is_disabled
 from ..stores.redis import may_have_run
-from . import _compat
+from . import _compat, claims
 from ._message import HEADER, SKIPPED, STATE_ATTR, carried_key, is_off, request_header
 from .batch import BATCH, Deferred
 from .config import fused_producer, fuses, get_deduplicator
@@ -132,6 +132,9 @@ class DedupTask(Task):  # type: ignore[misc]
         if not policy.mode.gates_enqueue or no_reserve:
             return publish(task_id, headers)
 
+        # A fresh call (not a retry or a republish of that message) that reuses an explicit
+        # task_id whose lock that id holds is a duplicate of itself, as RQ's job_id is.
+        fresh = carried is None and not (task_id and task_id == self.request.id)
         task_id = task_id or str(uuid.uuid4())
         ttl_ms = _reservation_ttl_ms(policy, options)
         eager = self.app.conf.task_always_eager
@@ -143,7 +146,7 @@ class DedupTask(Task):  # type: ignore[misc]
 
                 if isinstance(_compat.transport_of(acquired), RedisTransport):
                     handle = self._publish_fused(policy, identity, task_id, ttl_ms, publish_on,
-                                                 headers, link, link_error, options)
+                                                 headers, link, link_error, options, fresh)
                     if pending is not None:  # already one round trip: published, recorded
                         pending.results.append(handle)
                     return handle
@@ -152,23 +155,24 @@ class DedupTask(Task):  # type: ignore[misc]
                     return self._gate_and_publish(
                         policy, identity, task_id, ttl_ms,
                         lambda task_id: publish(task_id, headers, acquired),
-                        link, link_error, options,
+                        link, link_error, options, fresh,
                     )
         if pending is not None and not eager:
             return pending.defer(Deferred(self, policy, identity, task_id, ttl_ms, publish,
-                                          headers, link, link_error, options))
+                                          headers, link, link_error, options, fresh))
         return self._gate_and_publish(policy, identity, task_id, ttl_ms,
                                       lambda task_id: publish(task_id, headers),
-                                      link, link_error, options)
+                                      link, link_error, options, fresh)
 
     def _gate_and_publish(
         self, policy: Policy, identity: Identity, task_id: str, ttl_ms: int,
         publish: Callable[[str], Any], link: Any, link_error: Any, options: Mapping[str, Any],
+        fresh: bool = False,
     ) -> Any:
         """Reserve (one round trip), then publish what the gate let through; a failed
         publish releases the reservation before the error reaches the caller."""
         dedup = get_deduplicator(self.app)
-        result = dedup.gate(self.name, policy, identity, task_id, ttl_ms=ttl_ms)
+        result = dedup.gate(self.name, policy, identity, task_id, ttl_ms=ttl_ms, fresh=fresh)
         self._note_outcome(result.verdict is Verdict.DUPLICATE)
         if result.verdict is Verdict.DUPLICATE:
             return self._on_duplicate(policy, identity.key, result.existing_id, link, link_error,
@@ -185,11 +189,11 @@ class DedupTask(Task):  # type: ignore[misc]
     def _publish_fused(
         self, policy: Policy, identity: Identity, task_id: str, ttl_ms: int,
         publish: Callable[[str | None, dict[str, Any] | None], Any], headers: dict[str, Any],
-        link: Any, link_error: Any, options: Mapping[str, Any],
+        link: Any, link_error: Any, options: Mapping[str, Any], fresh: bool = False,
     ) -> Any:
         """Publish with the reservation inside the broker's push (:class:`RedisTransport`)."""
         fused = Fused(identity.key, task_id, ttl_ms, identity.check,
-                      policy.on_duplicate is OnDuplicate.REPLACE)
+                      policy.on_duplicate is OnDuplicate.REPLACE, fresh=fresh)
         token = FUSED.set(fused)
         started = time.perf_counter()
         failure: StoreUnavailableError | None = None
@@ -313,6 +317,7 @@ class DedupTask(Task):  # type: ignore[misc]
             )
         if result.verdict is Verdict.ACCEPTED and policy.mode.gates_execution:
             setattr(request, STATE_ATTR, key)
+            claims.record(task_id, self.name, key)
 
     def _retry_later(self, exc: StoreUnavailableError) -> Retry:
         """Republish this very message for later: never run unguarded, never dropped.

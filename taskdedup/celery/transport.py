@@ -41,6 +41,8 @@ class Fused:
     ttl_ms: int
     check: str
     replace: bool
+    fresh: bool = False
+    """Not a retry or a republish of ``owner``'s message: its own lock is a duplicate."""
     result: LockResult | None = None
     unsure: set[str] = field(default_factory=set)
 
@@ -55,7 +57,8 @@ class Fused:
         try:
             self.result, _ = reserve_and_run(client, self.key, self.owner, self.ttl_ms,
                                              self.check, self.replace, commands,
-                                             resent=target in self.unsure)
+                                             resent=target in self.unsure,
+                                             fresh=self.fresh)
         except StoreUnavailableError as exc:
             cause = exc.__cause__
             if may_have_run(exc) and isinstance(cause, redis.RedisError):

@@ -71,17 +71,23 @@ class Store(Protocol):
     be reached; they never swallow errors.
     """
 
-    def reserve(self, key: str, owner: str, ttl_ms: int, check: str = "") -> LockResult:
+    def reserve(
+        self, key: str, owner: str, ttl_ms: int, check: str = "", *, fresh: bool = False
+    ) -> LockResult:
         """Enqueue gate: absent → QUEUED(owner) for ``ttl_ms``.
 
         Same owner in QUEUED/RUNNING (a retry or a republish) → QUEUED(owner) with the
         expiry extended to at least ``ttl_ms``; ACQUIRED. DONE by the same owner, or held by
         another owner → DUPLICATE. Held by another owner with a different non-empty
-        ``check`` → MISMATCH.
+        ``check`` → MISMATCH. ``fresh``: a new call (not a retry or a republish of the
+        owner's message) that reuses an explicit id; the owner's own lock in any state is
+        then a DUPLICATE of itself.
         """
         ...
 
-    def replace(self, key: str, owner: str, ttl_ms: int, check: str = "") -> LockResult:
+    def replace(
+        self, key: str, owner: str, ttl_ms: int, check: str = "", *, fresh: bool = False
+    ) -> LockResult:
         """Debounce: like reserve, but a QUEUED lock of another owner is taken over.
 
         Returns REPLACED with the displaced owner; RUNNING/DONE of another → DUPLICATE.
@@ -103,7 +109,12 @@ class Store(Protocol):
         ...
 
     def complete(self, key: str, owner: str, ttl_ms: int) -> Outcome:
-        """Success: owned by ``owner`` → DONE(owner) for ``ttl_ms``, or deleted if 0."""
+        """Success: RUNNING by ``owner`` → DONE(owner) for ``ttl_ms``, or deleted if 0.
+
+        A lock of ``owner`` in another state is left as it is, OK: QUEUED means a retry
+        re-reserved it while the body went on (``self.retry(throw=False)``), and that retry
+        must still run; DONE, that it already completed.
+        """
         ...
 
     def release(self, key: str, owner: str, *, only_queued: bool = False) -> Outcome:

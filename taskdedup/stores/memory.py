@@ -113,7 +113,8 @@ class MemoryStore:
         self._data[key] = (format_value(state, check, owner), expires)
 
     def _reserve(
-        self, key: str, owner: str, ttl_ms: int, check: str, now: float, replace: bool
+        self, key: str, owner: str, ttl_ms: int, check: str, now: float, replace: bool,
+        fresh: bool = False,
     ) -> LockResult:
         entry = self._read(key, now)
         expires = now + ttl_ms / 1000
@@ -125,7 +126,7 @@ class MemoryStore:
             return LockResult(Outcome.DUPLICATE)
         state, held_check, held_owner = parsed
         if held_owner == owner:
-            if state is LockState.DONE:
+            if state is LockState.DONE or fresh:
                 return LockResult(Outcome.DUPLICATE, held_owner, state)
             # Never shorten; an entry without expiry (set by hand) gets ttl_ms, as in Lua.
             if entry[1] != math.inf:
@@ -150,21 +151,27 @@ class MemoryStore:
 
     # -- the Store protocol -----------------------------------------------------------------
 
-    def reserve(self, key: str, owner: str, ttl_ms: int, check: str = "") -> LockResult:
+    def reserve(
+        self, key: str, owner: str, ttl_ms: int, check: str = "", *, fresh: bool = False
+    ) -> LockResult:
         """See :meth:`taskdedup.stores.Store.reserve`."""
         check_owner(owner)
         check_ms("ttl_ms", ttl_ms)
         check_check(check)
         with self._lock:
-            return self._reserve(key, owner, ttl_ms, check, self._clock(), replace=False)
+            return self._reserve(key, owner, ttl_ms, check, self._clock(), replace=False,
+                                 fresh=fresh)
 
-    def replace(self, key: str, owner: str, ttl_ms: int, check: str = "") -> LockResult:
+    def replace(
+        self, key: str, owner: str, ttl_ms: int, check: str = "", *, fresh: bool = False
+    ) -> LockResult:
         """See :meth:`taskdedup.stores.Store.replace`."""
         check_owner(owner)
         check_ms("ttl_ms", ttl_ms)
         check_check(check)
         with self._lock:
-            return self._reserve(key, owner, ttl_ms, check, self._clock(), replace=True)
+            return self._reserve(key, owner, ttl_ms, check, self._clock(), replace=True,
+                                 fresh=fresh)
 
     def claim(self, key: str, owner: str, lease_ms: int) -> LockResult:
         """See :meth:`taskdedup.stores.Store.claim`."""
@@ -209,6 +216,8 @@ class MemoryStore:
             owned = self._owned(key, owner, now)
             if owned is None:
                 return Outcome.NOT_OWNER
+            if owned[0][0] is not LockState.RUNNING:  # a pending retry's Q, or already done
+                return Outcome.OK
             if ttl_ms > 0:
                 self._write(key, LockState.DONE, owned[0][1], owner, now + ttl_ms / 1000)
             else:
@@ -245,8 +254,11 @@ class MemoryStore:
 
     # -- beyond the protocol (RedisStore has the same) -------------------------------------
 
-    def reserve_many(self, items: Sequence[tuple[str, str, int, str]]) -> list[LockResult]:
+    def reserve_many(
+        self, items: Sequence[tuple[str, str, int, str]], *, fresh: bool = False
+    ) -> list[LockResult]:
         """:meth:`reserve` each ``(key, owner, ttl_ms, check)``; one result per item, in order.
+        ``fresh`` applies to every item (see :meth:`taskdedup.stores.Store.reserve`).
 
         All items are checked first, then reserved under one lock acquisition (atomic as a
         batch here; RedisStore only promises each item is atomic).
@@ -258,7 +270,7 @@ class MemoryStore:
         with self._lock:
             now = self._clock()
             return [
-                self._reserve(key, owner, ttl_ms, check, now, replace=False)
+                self._reserve(key, owner, ttl_ms, check, now, replace=False, fresh=fresh)
                 for key, owner, ttl_ms, check in items
             ]
 

@@ -288,19 +288,25 @@ class RedisStore:
 
     # -- the Store protocol -----------------------------------------------------------------
 
-    def reserve(self, key: str, owner: str, ttl_ms: int, check: str = "") -> LockResult:
+    def reserve(
+        self, key: str, owner: str, ttl_ms: int, check: str = "", *, fresh: bool = False
+    ) -> LockResult:
         """See :meth:`taskdedup.stores.Store.reserve`."""
         check_owner(owner)
         check_ms("ttl_ms", ttl_ms)
         check_check(check)
-        return _result(self._eval(self._reserve, "reserve", key, owner, ttl_ms, check))
+        return _result(self._eval(self._reserve, "reserve", key, owner, ttl_ms, check,
+                                  "1" if fresh else "0"))
 
-    def replace(self, key: str, owner: str, ttl_ms: int, check: str = "") -> LockResult:
+    def replace(
+        self, key: str, owner: str, ttl_ms: int, check: str = "", *, fresh: bool = False
+    ) -> LockResult:
         """See :meth:`taskdedup.stores.Store.replace`."""
         check_owner(owner)
         check_ms("ttl_ms", ttl_ms)
         check_check(check)
-        return _result(self._eval(self._replace, "replace", key, owner, ttl_ms, check))
+        return _result(self._eval(self._replace, "replace", key, owner, ttl_ms, check,
+                                  "1" if fresh else "0"))
 
     def claim(self, key: str, owner: str, lease_ms: int) -> LockResult:
         """See :meth:`taskdedup.stores.Store.claim`."""
@@ -347,8 +353,11 @@ class RedisStore:
         """Warn once per process if this server may evict locks (``stores/server.py``)."""
         warn_once(self.client, describe_client(self.client))
 
-    def reserve_many(self, items: Sequence[tuple[str, str, int, str]]) -> list[LockResult]:
-        """:meth:`reserve` each ``(key, owner, ttl_ms, check)`` in one pipeline round trip.
+    def reserve_many(
+        self, items: Sequence[tuple[str, str, int, str]], *, fresh: bool = False
+    ) -> list[LockResult]:
+        """:meth:`reserve` each ``(key, owner, ttl_ms, check)`` in one pipeline round trip;
+        ``fresh`` applies to every item (see :meth:`taskdedup.stores.Store.reserve`).
 
         Returns one result per item, in order. Each item is atomic on its own; the batch is
         not a transaction. Batches larger than :attr:`bulk_chunk` take one round trip per
@@ -369,11 +378,14 @@ class RedisStore:
         results: list[LockResult] = []
         chunk = self.bulk_chunk
         for start in range(0, len(items), chunk):
-            results.extend(self._reserve_chunk(items[start : start + chunk]))
+            results.extend(self._reserve_chunk(items[start : start + chunk], fresh))
         return results
 
-    def _reserve_chunk(self, items: Sequence[tuple[str, str, int, str]]) -> list[LockResult]:
+    def _reserve_chunk(
+        self, items: Sequence[tuple[str, str, int, str]], fresh: bool = False
+    ) -> list[LockResult]:
         script = self._reserve
+        flag = "1" if fresh else "0"
         results: list[LockResult | None] = [None] * len(items)
         pending: Sequence[int] = range(len(items))
         try:
@@ -386,7 +398,7 @@ class RedisStore:
                     self._bulk_ready, load = True, False
                 sha = script.sha
                 commands: list[tuple[Any, ...]] = [
-                    ("EVALSHA", sha, 1, *items[index]) for index in pending
+                    ("EVALSHA", sha, 1, *items[index], flag) for index in pending
                 ]
                 if load:
                     commands.insert(0, ("SCRIPT", "LOAD", script.script))
@@ -490,6 +502,7 @@ _RESENT = "="  # enqueue.lua's ARGV[5] for a call sent again
 def reserve_and_run(
     client: redis.Redis, key: str, owner: str, ttl_ms: int, check: str, replace: bool,
     commands: Sequence[Sequence[Any]], peek: str = "", *, resent: bool = False,
+    fresh: bool = False,
 ) -> tuple[LockResult, list[Any] | None]:
     """Reserve ``key`` (or replace, as :meth:`RedisStore.replace`) and, when the gate lets the
     call through, run ``commands`` (the broker's own enqueue: a push, a job write) —
@@ -503,6 +516,9 @@ def reserve_and_run(
     hash does not exist); otherwise the second item is None. With ``resent`` (this very call
     sent again after a connection error, e.g. kombu's publish retry), a queued lock of this
     owner means the first script ran: it is accepted and ``commands`` do not run a second time.
+    With ``fresh`` (a new call, not a retry or a republish of the owner's message, reusing an
+    explicit id), the owner's own lock in any state is a duplicate of itself, as in
+    :meth:`RedisStore.reserve`.
 
     Raises:
         StoreUnavailableError: the script could not run, or one of ``commands`` failed (then
@@ -515,7 +531,8 @@ def reserve_and_run(
         if peek:
             raise ValueError("reserve_and_run: peek and resent exclude each other")
         peek = _RESENT
-    args: list[Any] = [1, key, owner, ttl_ms, check, "1" if replace else "0", peek]
+    flags = ("1" if replace else "0") + ("1" if fresh else "0")
+    args: list[Any] = [1, key, owner, ttl_ms, check, flags, peek]
     for command in commands:
         args.append(len(command))
         args.extend(command)

@@ -24,13 +24,15 @@ local function parse(v)
   return state, check, owner
 end
 
--- gate(key, owner, ttl_ms, check, replace[, value]) -> {code, state or false, owner or false}
+-- gate(key, owner, ttl_ms, check, replace, fresh[, value])
+--   -> {code, state or false, owner or false}
 -- (value: the key's value when the caller has read it already; false when absent)
 -- The enqueue gate shared by reserve.lua, replace.lua and enqueue.lua (their headers give the
--- codes): absent -> Q(owner); the owner's own Q/R -> Q, expiry never shortened; done by the
--- owner -> DUPLICATE; another owner -> MISMATCH (checks differ), REPLACED (replace and Q) or
--- DUPLICATE.
-local function gate(key, owner, ttl_ms, check, replace, value)
+-- codes): absent -> Q(owner); the owner's own Q/R -> Q, expiry never shortened (a retry or a
+-- republish of that message), unless the call is fresh (a new call reusing an explicit id:
+-- a duplicate of itself); done by the owner -> DUPLICATE; another owner -> MISMATCH (checks
+-- differ), REPLACED (replace and Q) or DUPLICATE.
+local function gate(key, owner, ttl_ms, check, replace, fresh, value)
   if value == nil then
     value = read(key)
   end
@@ -43,7 +45,7 @@ local function gate(key, owner, ttl_ms, check, replace, value)
     return {2, false, false}
   end
   if held_owner == owner then
-    if state == 'D' then
+    if state == 'D' or fresh then
       return {2, state, held_owner}
     end
     -- Never shorten: a retry re-reserving for its countdown keeps the longer expiry.

@@ -6,7 +6,9 @@
 -- ARGV[1]  owner    the task / job id (compared as an exact string)
 -- ARGV[2]  ttl_ms   expiry of the reservation in milliseconds (> 0)
 -- ARGV[3]  check    "" or the 32-hex digest of the arguments (explicit idempotency keys)
--- ARGV[4]  "1" for on_duplicate="replace", else "0"
+-- ARGV[4]  flags: "1" for on_duplicate="replace", else "0"; then "1" for a fresh call (not a
+--          retry or republish of the owner's message: the owner's own lock is a duplicate
+--          of itself), else "0" or nothing
 -- ARGV[5]  peek     "" or a key prefix of job hashes (RQ's "rq:job:"): on a duplicate the
 --                   reply also carries HGETALL of peek .. holder (the original job's handle);
 --                   and a call whose own job is already written and alive (a client retry
@@ -45,7 +47,8 @@ if ARGV[5] ~= '' then
     end
   end
 end
-local result = gate(KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4] == '1', value)
+local result = gate(KEYS[1], ARGV[1], ARGV[2], ARGV[3], string.sub(ARGV[4], 1, 1) == '1',
+                    string.sub(ARGV[4], 2, 2) == '1', value)
 local code = result[1]
 if code == 1 or code == 6 then
   local i = 6
