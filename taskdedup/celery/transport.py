@@ -17,7 +17,7 @@ import redis
 from kombu.utils.json import dumps as _kombu_dumps
 
 from ..exceptions import StoreUnavailableError
-from ..stores.base import LockResult
+from ..stores.base import LockResult, Outcome
 from ..stores.redis import may_have_run, reserve_and_run
 from . import _compat
 
@@ -66,6 +66,10 @@ class Fused:
                 raise cause from None
             raise
         self.unsure.discard(target)
+        if self.result.outcome in (Outcome.ACQUIRED, Outcome.REPLACED):
+            # The lock is this publish's own now: its push to another queue (one publish
+            # routed to two queues) is the same message, not a fresh call.
+            self.fresh = False
 
 
 def json_dumps(message: Any) -> str:
