@@ -1,0 +1,86 @@
+"""The Celery app of the integration-level model test (``tests/test_celery_model.py``),
+imported by the test process and by its worker (``celery -A tests.model_app worker``).
+
+Every body records one run in Redis (``RPUSH model:runs:<name>:<key>``). All tasks ack late,
+so "the queue is empty and nothing is unacked" means every message sent so far, and every
+message its execution published (a retry, a chain's next step), has been dealt with.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from celery import Celery, signals
+
+from taskdedup import Policy
+from taskdedup.celery import DedupTask
+from tests.effects import r
+
+URL = os.environ.get("TASKDEDUP_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+QUEUE = os.environ.get("TASKDEDUP_TEST_QUEUE", "model")
+
+app = Celery("model", broker=URL, backend=URL)
+app.conf.update(
+    task_default_queue=QUEUE,
+    task_acks_late=True,
+    worker_prefetch_multiplier=1,
+    worker_hijack_root_logger=False,
+    broker_connection_retry_on_startup=True,
+    result_expires=600,
+)
+
+WINDOW = Policy(mode="until_expired", ttl=300)   # longer than the test: a run is final
+ONCE = Policy(mode="until_executed", ttl=300)    # released when it ends (then may run again)
+
+
+def ran(name: str, key: str) -> None:
+    r().rpush(f"model:runs:{name}:{key}", str(time.time()))
+
+
+@app.task(base=DedupTask, dedup=WINDOW, name="model.charge")
+def charge(key: str) -> str:
+    """A payment: runs once per key for the test's whole length."""
+    ran("charge", key)
+    time.sleep(0.2)  # long enough for a second message of the same id to be fetched meanwhile
+    return key
+
+
+@app.task(base=DedupTask, dedup=WINDOW, name="model.receipt")
+def receipt(key: str) -> str:
+    ran("receipt", key)
+    return key
+
+
+@app.task(base=DedupTask, dedup=ONCE, name="model.log")
+def log(key: str) -> str:
+    ran("log", key)
+    return key
+
+
+@app.task(base=DedupTask, dedup=ONCE, name="model.fail_once")
+def fail_once(key: str) -> str:
+    """Fails finally on its first run for a key (no retries), succeeds after."""
+    ran("fail_once", key)
+    if r().incr(f"model:attempts:fail_once:{key}") == 1:
+        raise RuntimeError("a final failure")
+    return key
+
+
+@app.task(base=DedupTask, dedup=WINDOW, bind=True, max_retries=2, name="model.retry_once")
+def retry_once(self: DedupTask, key: str, throw: bool) -> str:
+    """Asks for one retry on its first run: ``raise self.retry(...)``, or
+    ``self.retry(..., throw=False)`` and a normal return. The retry must run."""
+    ran("retry_once", key)
+    if r().incr(f"model:attempts:retry_once:{key}") == 1:
+        if throw:
+            raise self.retry(countdown=0.3)
+        self.retry(countdown=0.3, throw=False)
+    return key
+
+
+@signals.task_postrun.connect
+def _done(task_id: str | None = None, state: str | None = None, **_: object) -> None:
+    """Every execution's end, by task id: the test waits for the ids it sent."""
+    if task_id and state:
+        r().rpush(f"model:done:{task_id}", state)
