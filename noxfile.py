@@ -93,6 +93,7 @@ SUBSET = [
     "tests/test_celery_worker.py",
     "tests/test_celery_fused.py",
     "tests/test_celery_batch.py",
+    "tests/test_celery_eager.py",
     "tests/test_celery_compat.py",
     "tests/test_celery_faults.py",
     "tests/test_celery_lifecycle.py",

@@ -27,7 +27,7 @@ from ..events import logger
 from ..exceptions import ConfigurationError, StoreUnavailableError
 from ..policy import OnDuplicate, Policy, is_disabled
 from ..stores.redis import may_have_run
-from . import _compat, claims
+from . import _compat, claims, eager
 from ._message import HEADER, SKIPPED, STATE_ATTR, carried_key, is_off, request_header
 from .batch import BATCH, Deferred
 from .config import fused_producer, fuses, get_deduplicator
@@ -109,9 +109,11 @@ class DedupTask(Task):  # type: ignore[misc]
         ) -> Any:
             if headers is not None:
                 options["headers"] = headers
-            return super(DedupTask, self).apply_async(
+            handle = super(DedupTask, self).apply_async(
                 args, kwargs, task_id, producer, link, link_error, shadow, **options
             )
+            eager.remember(handle)  # task_always_eager: what a duplicate of it will get
+            return handle
 
         policy = self._call_policy(override)
         if policy is None or is_disabled():
@@ -137,9 +139,9 @@ class DedupTask(Task):  # type: ignore[misc]
         fresh = carried is None and not (task_id and task_id == self.request.id)
         task_id = task_id or str(uuid.uuid4())
         ttl_ms = _reservation_ttl_ms(policy, options)
-        eager = self.app.conf.task_always_eager
+        is_eager = self.app.conf.task_always_eager
         pending = BATCH.get()
-        if fuses(self.app) and not eager and self._dedup_duplicate_rate < _CHECK_FIRST_ABOVE:
+        if fuses(self.app) and not is_eager and self._dedup_duplicate_rate < _CHECK_FIRST_ABOVE:
             with fused_producer(self.app, producer) as acquired:
                 def publish_on(task_id: str | None, headers: dict[str, Any] | None) -> Any:
                     return publish(task_id, headers, acquired)
@@ -157,7 +159,7 @@ class DedupTask(Task):  # type: ignore[misc]
                         lambda task_id: publish(task_id, headers, acquired),
                         link, link_error, options, fresh,
                     )
-        if pending is not None and not eager:
+        if pending is not None and not is_eager:
             return pending.defer(Deferred(self, policy, identity, task_id, ttl_ms, publish,
                                           headers, link, link_error, options, fresh))
         return self._gate_and_publish(policy, identity, task_id, ttl_ms,
@@ -274,6 +276,8 @@ class DedupTask(Task):  # type: ignore[misc]
         carried = [name for name in _CALLBACK_OPTIONS if options.get(name)]
         carried += [n for n, v in (("link", link), ("link_error", link_error)) if v]
         if resolve_duplicate(self.name, policy, key, existing_id, carried):
+            if self.app.conf.task_always_eager:
+                return eager.handle(str(existing_id))
             return self.AsyncResult(existing_id)
         return None
 
