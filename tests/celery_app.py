@@ -37,6 +37,17 @@ app.conf.update(
     },
 )
 
+def configure(url: str, queue: str) -> None:
+    """Point this module's app (in the test process) at the test server and a worker's queue:
+    broker, result backend and locks on ``url``; a deduplicator made anew."""
+    global URL
+    os.environ["TASKDEDUP_TEST_REDIS_URL"] = url
+    URL = url
+    app.conf.update(broker_url=url, result_backend=url, taskdedup_url=url,
+                    task_default_queue=queue)
+    app.__dict__.pop("_taskdedup", None)
+
+
 @app.task(base=DedupTask, dedup=Policy(ttl=60))
 def record(label: str, n: int = 0) -> str:
     effect(label, n)

@@ -8,7 +8,6 @@ import json
 import logging
 import shutil
 import ssl
-import subprocess
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ from kombu.transport import redis as kombu_redis
 from taskdedup import Policy
 from taskdedup.celery import DedupTask, RedisTransport, _compat, get_deduplicator
 from tests.proxy import Proxy
+from tests.tls import self_signed_certificate
 
 RENAMED = "_queue_for_priority"
 
@@ -173,17 +173,8 @@ def test_a_broadcast_queue_is_gated_inside_the_script(
 @pytest.fixture
 def tls_proxy(redis_url: str) -> Iterator[tuple[str, Path]]:
     """A TLS terminator in front of the test server (``rediss://`` only) and its CA file."""
-    openssl = shutil.which("openssl")
-    if openssl is None:
-        pytest.skip("no openssl CLI to make a test certificate")
     folder = Path(tempfile.mkdtemp(prefix="taskdedup-celery-tls-"))
-    cert, key = folder / "cert.pem", folder / "key.pem"
-    subprocess.run(
-        [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-         "-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1",
-         "-addext", "subjectAltName=IP:127.0.0.1"],
-        check=True, capture_output=True,
-    )
+    cert, key = self_signed_certificate(folder)
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.load_cert_chain(cert, key)
     host, port = redis_url.split("://", 1)[1].split("/", 1)[0].rsplit(":", 1)

@@ -23,15 +23,9 @@ FAST_RESTORE = {"TASKDEDUP_TEST_VISIBILITY": "4"}
 
 @pytest.fixture(scope="module")
 def capp(redis_url: str) -> Iterator[Any]:
-    os.environ["TASKDEDUP_TEST_REDIS_URL"] = redis_url
     from tests import celery_app
 
-    celery_app.URL = redis_url
-    celery_app.app.conf.update(
-        broker_url=redis_url, result_backend=redis_url, taskdedup_url=redis_url,
-        task_default_queue="it-faults",
-    )
-    celery_app.app.__dict__.pop("_taskdedup", None)
+    celery_app.configure(redis_url, "it-faults")
     yield celery_app
 
 

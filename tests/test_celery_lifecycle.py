@@ -30,13 +30,7 @@ def worker(redis_url: str, rc: redis.Redis) -> Iterator[CeleryWorker]:
 def capp(redis_url: str, worker: CeleryWorker) -> Any:
     from tests import celery_app
 
-    celery_app.URL = redis_url
-    app = celery_app.app
-    app.conf.update(
-        broker_url=redis_url, result_backend=redis_url, taskdedup_url=redis_url,
-        task_default_queue=worker.queue,
-    )
-    app.__dict__.pop("_taskdedup", None)
+    celery_app.configure(redis_url, worker.queue)
     return celery_app
 
 

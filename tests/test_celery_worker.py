@@ -30,18 +30,9 @@ def worker(redis_url: str) -> Iterator[CeleryWorker]:
 
 @pytest.fixture(scope="module")
 def capp(redis_url: str, worker: CeleryWorker) -> Any:
-    import os
-
-    os.environ["TASKDEDUP_TEST_REDIS_URL"] = redis_url
     from tests import celery_app
 
-    celery_app.URL = redis_url
-    app = celery_app.app
-    app.conf.update(
-        broker_url=redis_url, result_backend=redis_url, taskdedup_url=redis_url,
-        task_default_queue=worker.queue,
-    )
-    app.__dict__.pop("_taskdedup", None)
+    celery_app.configure(redis_url, worker.queue)
     return celery_app
 
 

@@ -48,6 +48,7 @@ from taskdedup.testing import RedisServer, find_server_binary, free_port, wait_f
 from tests import fault_jobs
 from tests.fault_jobs import report
 from tests.proxy import Proxy
+from tests.tls import self_signed_certificate
 
 LONG = 600_000
 ACQUIRED = LockResult(Outcome.ACQUIRED)
@@ -368,17 +369,8 @@ def test_sentinel_failover_keeps_the_locks_and_every_transition_works_on_the_new
 @pytest.fixture(scope="module")
 def certificate() -> Iterator[tuple[Path, Path]]:
     """A self-signed certificate for 127.0.0.1 (also its own CA), made by ``openssl``."""
-    openssl = shutil.which("openssl")
-    if openssl is None:
-        pytest.skip("no openssl CLI to make a test certificate (and no 'cryptography')")
     folder = Path(tempfile.mkdtemp(prefix="taskdedup-tls-"))
-    cert, key = folder / "cert.pem", folder / "key.pem"
-    subprocess.run(
-        [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-         "-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1",
-         "-addext", "subjectAltName=IP:127.0.0.1"],
-        check=True, capture_output=True,
-    )
+    cert, key = self_signed_certificate(folder)
     try:
         yield cert, key
     finally:
