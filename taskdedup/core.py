@@ -264,7 +264,7 @@ class Deduplicator:
             IdempotencyKeyMismatch: an explicit key is held with other arguments.
         """
         if not self._store_checked:
-            self._check_store()
+            self.check_store()
         outcome, key, existing = result.outcome, identity.key, result.owner
         if outcome is Outcome.ACQUIRED:
             self._emit(Event.RESERVED, name, key, owner, seconds=seconds)
@@ -303,7 +303,7 @@ class Deduplicator:
                 integration must retry the task later, never run it unguarded.
         """
         if not self._store_checked:
-            self._check_store()
+            self.check_store()
         if policy.mode is Mode.UNTIL_EXECUTING:
             self.release(name, key, owner, reason="started")
             return StartResult(Verdict.ACCEPTED)
@@ -398,9 +398,10 @@ class Deduplicator:
 
     # -- helpers --------------------------------------------------------------------------
 
-    def _check_store(self) -> None:
-        """On first use, let the store check its server once (a RedisStore warns when the
-        server may evict locks); a store without ``check_server`` has nothing to check."""
+    def check_store(self) -> None:
+        """Let the store check its server, once (a RedisStore warns when the server may evict
+        locks; a store without ``check_server`` has nothing to check). Called on first use;
+        a worker that forks per job calls it before forking, so no child asks again."""
         self._store_checked = True
         check = getattr(self.store, "check_server", None)
         if check is not None:

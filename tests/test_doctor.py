@@ -120,3 +120,21 @@ def test_doctor_reports_a_user_without_scripts_or_without_the_prefix(
     code, checks = doctor(f"redis://narrow:pw@{host_port}")
     assert code == 1 and checks["scripts"]["ok"] is True and checks["acl"]["ok"] is False
     assert "~taskdedup:*" in str(checks["acl"]["fix"])
+
+
+def test_an_rq_worker_checks_the_server_before_it_forks_work_horses(
+    own: redis.Redis, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``rq worker`` forks a work-horse per job: the once-per-process check runs in the
+    worker's own process, so no work-horse spends a round trip on INFO (before: one per job,
+    0.66x of plain RQ's throughput instead of 0.92x)."""
+    from taskdedup.rq import DedupWorker
+
+    calls: list[str] = []
+    monkeypatch.setattr(server_checks, "warn_once",
+                        lambda client, where: calls.append(where))
+    worker = DedupWorker(["doctor-q"], connection=own)
+    assert calls and worker.dedup._store_checked  # what every forked work-horse inherits
+    policy = Policy(ttl=60)
+    worker.dedup.gate("t", policy, worker.dedup.identity("t", policy, (1,)), "id-1")
+    assert len(calls) == 1

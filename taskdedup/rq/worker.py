@@ -65,6 +65,7 @@ class DedupWorker(Worker):
             )
         super().__init__(*args, **kwargs)
         self.dedup: Deduplicator = get_deduplicator(self.connection, dedup_store)
+        self.dedup.check_store()  # here, not in every forked work-horse (one INFO per job)
         self._dedup_pid = os.getpid()
         self._dedup_claims: dict[str, Guard] = {}
 

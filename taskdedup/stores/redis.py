@@ -44,7 +44,7 @@ from ..exceptions import ConfigurationError, StoreUnavailableError
 from ._compat import NEVER_DECODE, raw_exchange
 from .base import LockInfo, LockResult, LockState, Outcome
 from .memory import check_check, check_ms, check_owner, parse_value
-from .server import warn_once
+from . import server
 
 __all__ = ["RedisStore"]
 
@@ -351,7 +351,7 @@ class RedisStore:
 
     def check_server(self) -> None:
         """Warn once per process if this server may evict locks (``stores/server.py``)."""
-        warn_once(self.client, describe_client(self.client))
+        server.warn_once(self.client, describe_client(self.client))
 
     def reserve_many(
         self, items: Sequence[tuple[str, str, int, str]], *, fresh: bool = False
