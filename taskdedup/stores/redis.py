@@ -41,10 +41,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ..exceptions import ConfigurationError, StoreUnavailableError
+from . import server
 from ._compat import NEVER_DECODE, raw_exchange
 from .base import LockInfo, LockResult, LockState, Outcome
 from .memory import check_check, check_ms, check_owner, parse_value
-from . import server
 
 __all__ = ["RedisStore"]
 
