@@ -18,7 +18,7 @@ from celery import signals
 from .. import stats
 from ..policy import Mode
 from . import _compat, claims
-from ._message import HEADER, SKIPPED, STATE_ATTR, carried_key, is_off, request_header
+from ._message import HEADER, SKIPPED, STATE_ATTR, request_header
 from .config import get_deduplicator
 from .task import DedupTask
 
@@ -48,7 +48,7 @@ def _on_failure(
     task = _dedup_task(sender)
     if task is None or task_id is None:
         return
-    key = _key_for(task, task_id, args, kwargs)
+    key = _lock_key(task, task_id, None, args, kwargs)
     claims.forget(task_id)
     if key:
         get_deduplicator(task.app).release(task.name, key, task_id, reason="failed")
@@ -63,10 +63,7 @@ def _on_internal_error(
     task = _dedup_task(sender)
     if task is None or task_id is None:
         return
-    key = claims.lookup(task_id, task.name)
-    if key is None:
-        raw = request.get(HEADER) if isinstance(request, dict) else request_header(request)
-        key = claims.header_key(raw, task.name)[1]
+    key = _lock_key(task, task_id, request)
     claims.forget(task_id)
     if key:
         get_deduplicator(task.app).release(task.name, key, task_id, reason="internal_error")
@@ -92,20 +89,11 @@ def _on_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
     if task is None or request is None:
         return
     # Celery 5.3-5.7 send a Context built from the message (headers as attributes), not the
-    # Request: its header is read from the attribute when there is no request_dict.
+    # Request: _lock_key reads the header from either.
     task_id = request.id
-    key = claims.lookup(task_id, task.name)
-    if key is None:
-        raw = _compat.request_dict(request).get(HEADER) or request_header(request)
-        known, key = claims.header_key(raw, task.name)
-        if not known:
-            known, key = claims.header_key(claims.received_header(task_id), task.name)
-        if not known:
-            key = getattr(request, STATE_ATTR, None)
-            if key is None:
-                key = _recompute(task, request.args, request.kwargs)
+    key = _lock_key(task, task_id, request)
     claims.forget(task_id)
-    if key and key != SKIPPED and task_id:
+    if key and task_id:
         get_deduplicator(task.app).release(task.name, key, task_id, reason="revoked")
 
 
@@ -122,29 +110,38 @@ def _on_postrun(sender: Any = None, task_id: str | None = None, state: str | Non
         get_deduplicator(task.app).release(task.name, key, task_id, reason=state.lower())
 
 
-def _key_for(task: DedupTask, task_id: str, args: Any, kwargs: Any) -> str | None:
-    """The lock key of ``task_id``, in the pool process or in the worker's main process: the
-    lock it claimed here, else its request's header, else the header of the message the main
-    process received, and only as a last resort a recomputation from the arguments."""
+def _lock_key(
+    task: DedupTask, task_id: str, request: Any = None, args: Any = None, kwargs: Any = None,
+) -> str | None:
+    """The lock key of ``task_id`` for a release, in the pool process or the worker's main
+    process: the lock it claimed here; else what its request says (the ``request`` a signal
+    gave — a Request, a Context or a dict — or the task's current one when it is that id's):
+    skipped, or the message's header; else the header of the message the main process
+    received; and only as a last resort a recomputation from the arguments (a message sent
+    by name, or by a client without taskdedup). None: nothing of this id's to release.
+    A wrong key releases nothing: every release is compare-and-delete by ``task_id``."""
     claimed = claims.lookup(task_id, task.name)
     if claimed is not None:
         return claimed
-    request = task.request
-    if request is not None and request.id == task_id:
-        key = getattr(request, STATE_ATTR, None)
-        if key is not None:
-            return None if key == SKIPPED else str(key)
-        raw = request_header(request)
-        if is_off(raw, task.name):
-            return None
-        carried = carried_key(raw, task.name)
-        if carried is not None:
-            return carried
-    # Main process after a lost worker or a hard time limit: the message it received.
+    if request is None:
+        current = task.request
+        request = current if current is not None and current.id == task_id else None
+    if request is not None:
+        if isinstance(request, dict):
+            raw = request.get(HEADER)
+        else:
+            state = getattr(request, STATE_ATTR, None)
+            if state is not None:
+                return None if state == SKIPPED else str(state)
+            raw = _compat.request_dict(request).get(HEADER) or request_header(request)
+            if args is None:
+                args, kwargs = getattr(request, "args", None), getattr(request, "kwargs", None)
+        known, key = claims.header_key(raw, task.name)
+        if known:
+            return key
     known, key = claims.header_key(claims.received_header(task_id), task.name)
     if known:
         return key
-    # Sent by name, or from a client without taskdedup: the key was made from the arguments.
     return _recompute(task, args, kwargs)
 
 

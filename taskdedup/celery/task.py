@@ -152,13 +152,8 @@ class DedupTask(Task):  # type: ignore[misc]
                     if pending is not None:  # already one round trip: published, recorded
                         pending.results.append(handle)
                     return handle
-                # Cannot happen with fused_producer; should it, the gate is its own round trip.
-                if pending is None:
-                    return self._gate_and_publish(
-                        policy, identity, task_id, ttl_ms,
-                        lambda task_id: publish(task_id, headers, acquired),
-                        link, link_error, options, fresh,
-                    )
+            # A producer not on RedisTransport (fused_producer never gives one): never push
+            # without the gate, reserve in a round trip of its own below.
         if pending is not None and not is_eager:
             return pending.defer(Deferred(self, policy, identity, task_id, ttl_ms, publish,
                                           headers, link, link_error, options, fresh))

@@ -1,4 +1,4 @@
-"""The one-round-trip publish: kombu's Redis transport whose push also reserves (SPEC §10).
+"""The one-round-trip publish: kombu's Redis transport whose push also reserves.
 
 A gated ``apply_async`` sets :data:`FUSED` for its message; this channel's ``_put`` (a queue)
 or ``_put_fanout`` (a broadcast) then runs the reservation and kombu's own push in one Lua
@@ -120,7 +120,7 @@ class _Channel(_compat.Channel):
 
     def _put_fanout(self, exchange: str, message: dict[str, Any], routing_key: str,
                     **kwargs: Any) -> None:
-        """A broadcast: gated inside the script like a queued message (SPEC §6)."""
+        """A broadcast: gated inside the script like a queued message."""
         fused = self._fused_for(message)
         if fused is None:
             super()._put_fanout(exchange, message, routing_key, **kwargs)  # type: ignore[no-untyped-call]
@@ -133,7 +133,7 @@ class _Channel(_compat.Channel):
 
 
 class RedisTransport(_compat.Transport):
-    """kombu's Redis transport with the gate fused into the publish (SPEC §10).
+    """kombu's Redis transport with the gate fused into the publish.
 
     A gated ``apply_async`` reserves and pushes in one Lua script, one round trip, atomically
     (no reservation without its message, no message without its reservation). Used when the
