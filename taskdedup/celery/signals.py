@@ -15,7 +15,7 @@ from typing import Any
 
 from celery import signals
 
-from .. import stats
+from .. import running, stats
 from ..policy import Mode
 from . import _compat, claims
 from ._message import HEADER, SKIPPED, STATE_ATTR, request_header
@@ -99,6 +99,7 @@ def _on_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
 
 def _on_postrun(sender: Any = None, task_id: str | None = None, state: str | None = None,
                 **_: Any) -> None:
+    running.leave()  # set by DedupTask.before_start
     if state not in ("IGNORED", "REJECTED"):
         return
     task = _dedup_task(sender)

@@ -22,10 +22,12 @@ from typing import Any
 from celery import Celery, Task
 from celery.exceptions import Ignore, Retry
 
+from .. import running
 from ..core import Identity, Verdict, resolve_duplicate
 from ..events import logger
 from ..exceptions import ConfigurationError, StoreUnavailableError
 from ..policy import OnDuplicate, Policy, is_disabled
+from ..running import Running
 from ..stores.redis import may_have_run
 from . import _compat, claims, eager
 from ._message import HEADER, SKIPPED, STATE_ATTR, carried_key, is_off, request_header
@@ -317,6 +319,7 @@ class DedupTask(Task):  # type: ignore[misc]
         if result.verdict is Verdict.ACCEPTED and policy.mode.gates_execution:
             setattr(request, STATE_ATTR, key)
             claims.record(task_id, self.name, key)
+        running.enter(Running(self.name, task_id, key, policy.ttl))  # left in task_postrun
 
     def _retry_later(self, exc: StoreUnavailableError) -> Retry:
         """Republish this very message for later: never run unguarded, never dropped.

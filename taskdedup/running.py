@@ -1,0 +1,51 @@
+"""The identity of the task running in this thread (or greenlet), as its message carried it.
+
+The integrations set it when a worker starts a gated task (Celery's ``before_start``, RQ's
+job execution) and clear it when the task ends, so code inside the body — :mod:`taskdedup.sql`
+first of all — can use the same identity without recomputing it. The core knows nothing of
+Celery or RQ: it only holds the value.
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar, Token
+from dataclasses import dataclass
+
+__all__ = ["Running", "current", "enter", "leave"]
+
+
+@dataclass(frozen=True, slots=True)
+class Running:
+    """A task being executed: its name, its id and its identity's lock key.
+
+    ``ttl`` is the policy's window in seconds (what a durable record of it defaults to).
+    """
+
+    task: str
+    task_id: str
+    key: str
+    ttl: float
+
+
+_CURRENT: ContextVar[Running | None] = ContextVar("taskdedup_running", default=None)
+
+
+def current() -> Running | None:
+    """The task running in this context, or ``None`` outside a gated task."""
+    return _CURRENT.get()
+
+
+def enter(running: Running) -> Token[Running | None]:
+    """Mark ``running`` as the task of this context; pass the token to :func:`leave`."""
+    return _CURRENT.set(running)
+
+
+def leave(token: Token[Running | None] | None = None) -> None:
+    """End the current task: restore what was before ``token``, or clear it."""
+    if token is not None:
+        try:
+            _CURRENT.reset(token)
+            return
+        except ValueError:  # made in another context (a signal in another frame): clear
+            pass
+    _CURRENT.set(None)
