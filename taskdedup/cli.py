@@ -54,7 +54,8 @@ _STATE_NAMES: Final = {"Q": "queued", "R": "running", "D": "done"}
 # Commands that live in other modules and are imported only when run (their imports are
 # heavy: Celery, RQ, a Redis server). ``taskdedup demo`` is ``taskdedup/demo.py``'s ``demo``
 # click command; it is listed once that module exists.
-LAZY_COMMANDS: Final[dict[str, str]] = {"demo": "taskdedup.demo:demo"}
+LAZY_COMMANDS: Final[dict[str, str]] = {"demo": "taskdedup.demo:demo",
+                                         "sql": "taskdedup.sql.cli:sql"}
 
 
 class CliError(click.ClickException):
