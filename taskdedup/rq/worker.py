@@ -15,11 +15,12 @@ from rq.registry import StartedJobRegistry
 from rq.utils import now
 from rq.worker import Worker
 
-from .. import stats
+from .. import running, stats
 from ..core import Deduplicator, GateResult, Identity, Verdict
 from ..events import logger
 from ..exceptions import ConfigurationError, StoreUnavailableError
 from ..policy import Mode
+from ..running import Running
 from ..stores.base import Store
 from . import _compat
 from .config import get_deduplicator
@@ -154,9 +155,12 @@ class DedupWorker(Worker):
             return True
         if result.verdict is Verdict.ACCEPTED and guard.policy.mode.gates_execution:
             self._dedup_claims[job.id] = guard
+        # the body (and taskdedup.sql.effects in it) sees the identity the job carried
+        token = running.enter(Running(guard.name, job.id, guard.key, guard.policy.ttl))
         try:
             return bool(super().perform_job(job, queue, *run))
         finally:
+            running.leave(token)
             if self._dedup_claims.pop(job.id, None) is not None:
                 self.dedup.stop_heartbeat(guard.key, job.id)
 
