@@ -433,6 +433,25 @@ class Deduplicator:
 _STATE_WORDS = {LockState.QUEUED: "queued", LockState.RUNNING: "running", LockState.DONE: "done"}
 
 
+STATE_WORDS: dict[LockState, str] = {
+    LockState.QUEUED: "queued", LockState.RUNNING: "running", LockState.DONE: "done"}
+SKIPPED_MARK = "skipped duplicate"
+
+
+def skipped_value(existing_id: str | None, state: LockState | None) -> dict[str, Any]:
+    """The result of an execution skipped as a duplicate (Celery and RQ alike, JSON-friendly):
+    ``{"taskdedup": "skipped duplicate", "existing_id": ..., "state": ...}``."""
+    return {"taskdedup": SKIPPED_MARK, "existing_id": existing_id,
+            "state": STATE_WORDS.get(state) if state else None}
+
+
+def skipped_of(value: Any) -> dict[str, Any] | None:
+    """``{"existing_id", "state"}`` when ``value`` is a skipped duplicate's result, else None."""
+    if isinstance(value, Mapping) and value.get("taskdedup") == SKIPPED_MARK:
+        return {"existing_id": value.get("existing_id"), "state": value.get("state")}
+    return None
+
+
 def resolve_duplicate(
     name: str, policy: Policy, key: str, existing_id: str | None, carried: Sequence[str] = (),
     *, unit: str = "task", replace_raises: bool = True,

@@ -30,15 +30,18 @@ class DuplicateTaskError(TaskDedupError):
         existing_id: the task/job id that holds it (the original).
     """
 
-    def __init__(self, key: str, existing_id: str | None, message: str | None = None) -> None:
+    def __init__(
+        self, key: str, existing_id: str | None = None, message: str | None = None
+    ) -> None:
         self.key = key
         self.existing_id = existing_id
-        super().__init__(
-            message or f"duplicate task: {key} is already held by task id {existing_id!r}"
-        )
+        self.message = message or (
+            f"duplicate task: {key} is already held by task id {existing_id!r}")
+        # All three in args: a result backend rebuilds the error as cls(*args) (Celery's JSON).
+        super().__init__(key, existing_id, self.message)
 
-    def __reduce__(self) -> tuple[type, tuple[str, str | None, str]]:
-        return (type(self), (self.key, self.existing_id, str(self)))
+    def __str__(self) -> str:
+        return self.message
 
 
 class StoreUnavailableError(TaskDedupError):
@@ -56,16 +59,16 @@ class IdempotencyKeyMismatch(TaskDedupError):
     returning the other call's result would be silently wrong.
     """
 
-    def __init__(self, key: str, existing_id: str | None) -> None:
+    def __init__(self, key: str, existing_id: str | None = None) -> None:
         self.key = key
         self.existing_id = existing_id
-        super().__init__(
-            f"idempotency key reused with different arguments: {key} is held by task id "
-            f"{existing_id!r}, whose arguments differ. Use a new dedup_key for a new request."
-        )
+        super().__init__(key, existing_id)  # rebuilt as cls(*args), as above
 
-    def __reduce__(self) -> tuple[type, tuple[str, str | None]]:
-        return (type(self), (self.key, self.existing_id))
+    def __str__(self) -> str:
+        return (
+            f"idempotency key reused with different arguments: {self.key} is held by task id "
+            f"{self.existing_id!r}, whose arguments differ. Use a new dedup_key for a new request."
+        )
 
 
 class ConfigurationError(TaskDedupError, ValueError):

@@ -15,7 +15,7 @@ from celery import Celery, signals
 from celery.exceptions import Ignore, Reject
 
 from taskdedup import Policy
-from taskdedup.celery import DedupTask
+from taskdedup.celery import DedupTask, skipped_info
 from tests.effects import effect, r, wait_gate
 
 URL = os.environ.get("TASKDEDUP_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -229,7 +229,11 @@ def collect(results: list[str], label: str) -> str:
 
 
 @signals.task_postrun.connect
-def _record_state(task_id: str | None = None, state: str | None = None, **_: object) -> None:
-    """Test instrumentation: the final state of every execution, IGNORED (skipped) included."""
+def _record_state(
+    task_id: str | None = None, state: str | None = None, retval: object = None, **_: object
+) -> None:
+    """Test instrumentation: the final state of every execution, SKIPPED (a duplicate that ended as
+    skipped, :func:`taskdedup.celery.skipped_info`) included."""
     if task_id and state:
+        state = "SKIPPED" if skipped_info(retval) else state
         r().set(f"state:{task_id}", state, ex=600)

@@ -8,12 +8,15 @@ at an existing server instead. If no server can be started the suite fails (it n
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
 
 from taskdedup.testing import RedisServer
+from tests.workers import CeleryWorker
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -66,3 +69,30 @@ def rc(redis_url: str) -> Iterator[redis.Redis]:
     client = redis.Redis.from_url(redis_url)
     yield client
     client.close()
+
+
+class ModelWorker(CeleryWorker):
+    """A worker of ``tests.model_app`` (the model and workflow tests)."""
+
+    app_module = "tests.model_app"
+
+
+@pytest.fixture(scope="module")
+def model_worker(redis_url: str) -> Iterator[ModelWorker]:
+    w = ModelWorker(redis_url, queue=f"model-{uuid.uuid4().hex[:6]}", concurrency=2).start()
+    try:
+        yield w
+    finally:
+        w.stop()
+
+
+@pytest.fixture(scope="module")
+def mapp(redis_url: str, model_worker: ModelWorker) -> Any:
+    """``tests.model_app``, configured for this session's Redis and ``model_worker``'s queue."""
+    os.environ["TASKDEDUP_TEST_REDIS_URL"] = redis_url
+    from tests import model_app
+
+    model_app.app.conf.update(broker_url=redis_url, result_backend=redis_url,
+                              task_default_queue=model_worker.queue)
+    model_app.app.__dict__.pop("_taskdedup", None)
+    return model_app

@@ -17,7 +17,7 @@ import redis
 from celery import Celery, signals
 
 from taskdedup import Policy
-from taskdedup.celery import DedupTask
+from taskdedup.celery import DedupTask, skipped_info
 from tests.fault_jobs import r, wait_gate
 from tests.workers import CeleryWorker
 
@@ -67,11 +67,13 @@ def work_allow(self: DedupTask, label: str, gated: bool = False) -> str:
 
 @signals.task_postrun.connect
 def _record_state(
-    sender: object = None, task_id: str | None = None, state: str | None = None, **_: object
+    sender: object = None, task_id: str | None = None, state: str | None = None,
+    retval: object = None, **_: object
 ) -> None:
-    """The final state of every execution of this app, IGNORED (a skipped duplicate)
-    included."""
+    """The final state of every execution of this app, SKIPPED (a duplicate that
+    ended as skipped, :func:`taskdedup.celery.skipped_info`) included."""
     if task_id and state and getattr(sender, "app", None) is app:
+        state = "SKIPPED" if skipped_info(retval) else state
         r().set(f"state:{task_id}", state, ex=600)
 
 

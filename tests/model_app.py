@@ -3,7 +3,9 @@ imported by the test process and by its worker (``celery -A tests.model_app work
 
 Every body records one run in Redis (``RPUSH model:runs:<name>:<key>``). All tasks ack late,
 so "the queue is empty and nothing is unacked" means every message sent so far, and every
-message its execution published (a retry, a chain's next step), has been dealt with.
+message its execution published (a retry, a chain's next step), has been dealt with. The worker
+sends task events and tracks STARTED, as a worker watched by Flower does; a killed worker's
+unacknowledged messages come back within seconds (a small visibility timeout).
 """
 
 from __future__ import annotations
@@ -28,6 +30,13 @@ app.conf.update(
     worker_hijack_root_logger=False,
     broker_connection_retry_on_startup=True,
     result_expires=600,
+    task_track_started=True,
+    worker_send_task_events=True,
+    broker_transport_options={
+        "visibility_timeout": 4,
+        "unacked_restore_interval": 1,
+        "unacked_restore_throttle": 1,
+    },
 )
 
 WINDOW = Policy(mode="until_expired", ttl=300)   # longer than the test: a run is final
@@ -77,6 +86,20 @@ def retry_once(self: DedupTask, key: str, throw: bool) -> str:
             raise self.retry(countdown=0.3)
         self.retry(countdown=0.3, throw=False)
     return key
+
+
+@app.task(base=DedupTask, dedup=WINDOW, name="model.total")
+def total(results: list[object], key: str) -> int:
+    """A chord body: runs once the header's results are in."""
+    ran("total", key)
+    return len(results)
+
+
+@app.task(base=DedupTask, dedup=ONCE, name="model.spawn")
+def spawn(key: str, child: str) -> str:
+    """Publishes ``receipt(child)`` from its body (a duplicate when that receipt is held)."""
+    ran("spawn", key)
+    return str(receipt.delay(child).id)
 
 
 @signals.task_postrun.connect

@@ -230,41 +230,38 @@ def test_a_task_whose_recent_calls_are_mostly_duplicates_checks_before_building_
     """Through the transport a duplicate costs a whole message build; once most recent calls
     of a task were duplicates, the gate checks first (no message is built for a duplicate),
     and it goes back to the one-round-trip publish as accepted calls come back."""
-    from celery import signals
-
     task = declare(app, "fused.mostly-duplicates")
     redis_client.script_load(SCRIPTS["reserve"])  # what checking first runs: loaded already
     built: list[str] = []
+    send = app.amqp.send_task_message  # not a publish signal: a receiver makes it check first
 
-    def count(headers: dict[str, Any] | None = None, **_: Any) -> None:
-        built.append(str((headers or {}).get("id")))
+    def count(producer: Any, name: str, message: Any, **options: Any) -> Any:
+        built.append(str(message.headers.get("id")))
+        return send(producer, name, message, **options)
 
-    signals.before_task_publish.connect(count, weak=False)
-    try:
-        original = task.delay("hot")
-        duplicates = 0
-        while task._dedup_duplicate_rate <= 0.5:
-            assert task.delay("hot").id == original.id
-            duplicates += 1
-        assert duplicates == 7  # 1 - 0.9 ** 7 > 0.5: about the last ten calls decide
-        assert len(built) == 1 + duplicates  # each built its message before the script said no
-        counter = CommandCounter(monkeypatch)
+    monkeypatch.setattr(app.amqp, "send_task_message", count)
+    original = task.delay("hot")
+    duplicates = 0
+    while task._dedup_duplicate_rate <= 0.5:
         assert task.delay("hot").id == original.id
-        assert len(built) == 1 + duplicates  # checked first: no message built
-        assert counter.commands == ["EVALSHA"]
-        counter.commands.clear()
-        fresh = []
-        while task._dedup_duplicate_rate >= 0.5:
-            fresh.append(task.delay(f"cold-{len(fresh)}"))  # accepted: reserve, then LPUSH
-        assert counter.commands == ["EVALSHA", "LPUSH"] * len(fresh)
-        assert 1 <= len(fresh) <= 3
-        counter.commands.clear()
-        task.delay("cold-again")
-        assert counter.commands == ["EVALSHA"]  # one round trip again
-        queued = {json.loads(m)["headers"]["id"] for m in redis_client.lrange("fused", 0, -1)}
-        assert {original.id, *(f.id for f in fresh)} <= queued
-    finally:
-        signals.before_task_publish.disconnect(count)
+        duplicates += 1
+    assert duplicates == 7  # 1 - 0.9 ** 7 > 0.5: about the last ten calls decide
+    assert len(built) == 1 + duplicates  # each built its message before the script said no
+    counter = CommandCounter(monkeypatch)
+    assert task.delay("hot").id == original.id
+    assert len(built) == 1 + duplicates  # checked first: no message built
+    assert counter.commands == ["EVALSHA"]
+    counter.commands.clear()
+    fresh = []
+    while task._dedup_duplicate_rate >= 0.5:
+        fresh.append(task.delay(f"cold-{len(fresh)}"))  # accepted: reserve, then LPUSH
+    assert counter.commands == ["EVALSHA", "LPUSH"] * len(fresh)
+    assert 1 <= len(fresh) <= 3
+    counter.commands.clear()
+    task.delay("cold-again")
+    assert counter.commands == ["EVALSHA"]  # one round trip again
+    queued = {json.loads(m)["headers"]["id"] for m in redis_client.lrange("fused", 0, -1)}
+    assert {original.id, *(f.id for f in fresh)} <= queued
 
 
 def test_raise_mismatch_and_replace_through_the_transport(

@@ -25,7 +25,7 @@ import os
 import random
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +34,7 @@ import redis
 from celery import chain
 
 from taskdedup.testing import wait_for
-from tests.workers import CeleryWorker
+from tests.conftest import ModelWorker
 
 pytestmark = pytest.mark.slow
 
@@ -42,30 +42,6 @@ SEEDS = [int(s) for s in os.environ.get("TASKDEDUP_MODEL_SEEDS", "11,12").split(
 EXTRA_STEPS = 4
 ALL_OPERATIONS = ("delay", "explicit_twice", "retry_throw", "retry_no_throw", "fail_then_again")
 OPERATIONS = tuple(os.environ.get("TASKDEDUP_MODEL_OPS", ",".join(ALL_OPERATIONS)).split(","))
-
-
-class ModelWorker(CeleryWorker):
-    app_module = "tests.model_app"
-
-
-@pytest.fixture(scope="module")
-def worker(redis_url: str) -> Iterator[ModelWorker]:
-    w = ModelWorker(redis_url, queue=f"model-{uuid.uuid4().hex[:6]}", concurrency=2).start()
-    try:
-        yield w
-    finally:
-        w.stop()
-
-
-@pytest.fixture(scope="module")
-def mapp(redis_url: str, worker: ModelWorker) -> Any:
-    os.environ["TASKDEDUP_TEST_REDIS_URL"] = redis_url
-    from tests import model_app
-
-    model_app.app.conf.update(broker_url=redis_url, result_backend=redis_url,
-                              task_default_queue=worker.queue)
-    model_app.app.__dict__.pop("_taskdedup", None)
-    return model_app
 
 
 @dataclass
@@ -207,12 +183,12 @@ class Driver:
 
 
 def test_random_sequences_hold_the_model(mapp: Any, rc: redis.Redis,
-                                         worker: ModelWorker) -> None:
+                                         model_worker: ModelWorker) -> None:
     for seed in SEEDS:
         rng = random.Random(seed)
         steps = list(OPERATIONS) + [rng.choice(OPERATIONS) for _ in range(EXTRA_STEPS)]
         rng.shuffle(steps)
-        driver = Driver(mapp, rc, worker.queue)
+        driver = Driver(mapp, rc, model_worker.queue)
         for step in steps:
             getattr(driver, step)(rng)
             try:
@@ -221,12 +197,10 @@ def test_random_sequences_hold_the_model(mapp: Any, rc: redis.Redis,
                 raise AssertionError(f"seed {seed}, step {step}: {exc}") from None
 
 
-@pytest.mark.xfail(strict=True, reason="issue #11 item 1: a duplicate next step published by "
-                   "the worker fails the task that ran and releases its lock")
 def test_a_chain_whose_next_step_is_a_duplicate_never_runs_the_first_step_again(
-    mapp: Any, rc: redis.Redis, worker: ModelWorker,
+    mapp: Any, rc: redis.Redis, model_worker: ModelWorker,
 ) -> None:
-    driver = Driver(mapp, rc, worker.queue)
+    driver = Driver(mapp, rc, model_worker.queue)
     chain_id = driver.chain_with_a_duplicate_step(random.Random(0))
     driver.check()
     from celery.states import READY_STATES

@@ -270,7 +270,7 @@ def test_send_task_by_name_is_guarded_at_the_worker(capp: Any, rc: redis.Redis) 
     a = capp.app.send_task(capp.record.name, (name,), queue="it-main")
     assert a.get(timeout=30) == f"{name}:0"
     b = capp.app.send_task(capp.record.name, (name,), queue="it-main")
-    assert final_state(rc, b.id) == "IGNORED"  # skipped: the body did not run
+    assert final_state(rc, b.id) == "SKIPPED"  # skipped: the body did not run
     assert effects(rc, name) == ["0"]
     assert capp.app.AsyncResult(b.id).state != "FAILURE"
 
@@ -370,7 +370,7 @@ def test_until_executing_releases_at_start_and_while_executing_gates_only_execut
     wait_for(lambda: effects(rc, b) == ["start1"], timeout=30, what="first started")
     two = capp.record_while_executing.delay(b, 1)  # not gated at enqueue...
     assert one.id != two.id
-    assert final_state(rc, two.id) == "IGNORED"  # ...but gated at execution
+    assert final_state(rc, two.id) == "SKIPPED"  # ...but gated at execution
     rc.set(f"go:{b}", 1)
     one.get(timeout=30)
     assert effects(rc, b) == ["start1", "end1"]

@@ -358,7 +358,7 @@ def test_malformed_locks_met_by_real_workers_skip_the_body_and_the_workers_keep_
         assert cworker.process is not None and cworker.process.poll() is None
         assert rworker.process is not None and rworker.process.poll() is None
         for kind in kinds:  # skipped: the body never ran, not a failure
-            assert rc.get(f"state:{celery_ids[kind]}") == b"IGNORED", kind
+            assert rc.get(f"state:{celery_ids[kind]}") == b"SKIPPED", kind
             info = skipped_info(DedupJob.fetch(rq_jobs[kind].id, connection=rc))
             assert info is not None, kind
             assert not ends(rc, labels[kind]), kind

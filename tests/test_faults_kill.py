@@ -110,7 +110,7 @@ def test_celery_sigkill_mid_task_every_task_completes_once_and_no_lock_outlives_
         return str(result.id)
 
     def settled(labels: list[str]) -> bool:
-        return all(rc.get(f"state:{tid}") in (b"SUCCESS", b"IGNORED")
+        return all(rc.get(f"state:{tid}") in (b"SUCCESS", b"SKIPPED")
                    for label in labels for tid in sent[label])
 
     worker = capp.FaultCeleryWorker(redis_url, queue=queue, concurrency=IN_FLIGHT,
@@ -164,7 +164,7 @@ def test_celery_sigkill_mid_task_every_task_completes_once_and_no_lock_outlives_
         worker.stop()
 
     figures = account(rc, sent, killed, key_of,
-                      lambda task_id: rc.get(f"state:{task_id}") == b"IGNORED")
+                      lambda task_id: rc.get(f"state:{task_id}") == b"SKIPPED")
     report(
         "sigkill_celery",
         whole_worker_sigkills=WHOLE_ROUNDS, bodies_killed_with_the_worker=WHOLE_ROUNDS * IN_FLIGHT,

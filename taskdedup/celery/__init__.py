@@ -10,8 +10,8 @@ so the worker never recomputes it. On a ``redis://`` broker that holds the locks
 reservation rides in the push (:class:`RedisTransport`, chosen when a ``DedupTask`` is bound
 to the app: one round trip per publish); with the locks elsewhere it is a round trip of its
 own, which :func:`batch` pipelines for many calls. On the worker, ``before_start`` claims the
-lock (and skips the body of a duplicate with :class:`DuplicateExecution`, an ``Ignore``), and
-Celery's signals complete or release it.
+lock (a duplicate's body is skipped: it ends SUCCESS with :func:`skipped_info` set, or FAILURE
+with ``DuplicateTaskError`` inside a workflow), and Celery's signals complete or release it.
 
 Modules: :mod:`.task` (DedupTask), :mod:`.signals` (the worker guard's handlers),
 :mod:`.transport` (the fused kombu push), :mod:`.batch`, :mod:`.config` (store and publish
@@ -24,7 +24,7 @@ from . import signals as _signals  # connects the worker guard's handlers
 from ._message import HEADER
 from .batch import Batch, batch
 from .config import get_deduplicator
-from .task import DedupTask, DuplicateExecution
+from .task import DedupTask, DuplicateExecution, skipped_info
 from .transport import TRANSPORT, RedisTransport
 
 __all__ = [
@@ -36,6 +36,7 @@ __all__ = [
     "RedisTransport",
     "batch",
     "get_deduplicator",
+    "skipped_info",
 ]
 
 del _signals

@@ -154,8 +154,14 @@ def transport_of(producer: Any) -> Any:
 
 
 def forget_pending(task: Any, task_id: str) -> None:
-    """Undo what Celery's publish set up for a result that will never come (a result
-    backend that subscribes per task id, e.g. Redis pub/sub: ``result_consumer.cancel_for``)."""
+    """Undo what Celery's publish set up for a message that was never sent: the parent's
+    ``request.children`` entry (published from a running task: ``AsyncResult(parent)
+    .children``, ``collect()`` and ``join()`` would wait for it forever), and the result
+    subscription of a backend that subscribes per task id (Redis pub/sub: ``cancel_for``)."""
+    parent = task.app.current_worker_task
+    children = getattr(parent.request, "children", None) if parent is not None else None
+    if children:
+        children[:] = [child for child in children if getattr(child, "id", None) != task_id]
     consumer = getattr(task.backend, "result_consumer", None)
     cancel = getattr(consumer, "cancel_for", None)
     if cancel is not None:

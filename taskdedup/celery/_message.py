@@ -2,7 +2,9 @@
 
 The caller puts ``{"task": name, "key": lock key}`` (or ``"off": 1`` for a bypassed call) in
 the message headers, so the worker never recomputes the identity; the worker marks the request
-with the lock it claimed.
+with the lock it claimed. A duplicate that is published anyway, because it continues a
+workflow, is *marked*: ``"dup"`` names the original, ``"wf"`` says whether its workflow ends in
+an error; the worker ends it without running the body.
 """
 
 from __future__ import annotations
@@ -10,13 +12,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["HEADER", "SKIPPED", "STATE_ATTR", "carried_key", "is_off", "request_header"]
+__all__ = [
+    "HEADER", "SKIPPED", "SKIP_ATTR", "STATE_ATTR", "carried_key", "is_off", "marked", "mark",
+    "request_header",
+]
 
 HEADER = "taskdedup"
 """Message header carrying ``{"task": name, "key": lock key}`` or ``{"task": name, "off": 1}``."""
 
 STATE_ATTR = "_taskdedup"  # on the request: the claimed lock key, or SKIPPED
 SKIPPED = "skipped"
+SKIP_ATTR = "_taskdedup_skipped"  # on the request: the result of a skipped duplicate
+_DUPLICATE_OF, _WORKFLOW = "dup", "wf"
 
 
 def request_header(request: Any) -> Any:
@@ -37,3 +44,15 @@ def carried_key(raw: Any, task_name: str) -> str | None:
 def is_off(raw: Any, task_name: str) -> bool:
     """Whether the caller bypassed dedup for this call (``dedup=False``)."""
     return isinstance(raw, Mapping) and raw.get("task") == task_name and bool(raw.get("off"))
+
+
+def mark(raw: Mapping[str, Any], existing_id: str, workflow: bool) -> dict[str, Any]:
+    """The header of a duplicate published anyway (it continues a workflow)."""
+    return {**raw, _DUPLICATE_OF: existing_id, _WORKFLOW: int(workflow)}
+
+
+def marked(raw: Any, task_name: str) -> tuple[str, bool] | None:
+    """``(original's id, ends its workflow)`` for a marked duplicate of task ``task_name``."""
+    if isinstance(raw, Mapping) and raw.get("task") == task_name and raw.get(_DUPLICATE_OF):
+        return str(raw[_DUPLICATE_OF]), bool(raw.get(_WORKFLOW))
+    return None

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..core import Deduplicator, GateCall, Identity, Verdict
-from ..exceptions import DuplicateTaskError
 from ..policy import Policy
 from .config import get_deduplicator
 
@@ -35,6 +34,7 @@ class Deferred:
     link_error: Any
     options: Mapping[str, Any]
     fresh: bool = False
+    given: str | None = None
 
 
 class Batch:
@@ -91,9 +91,11 @@ class Batch:
             return None
         if answer.verdict is Verdict.DUPLICATE:
             try:
-                original = task._on_duplicate(call.policy, call.identity.key, answer.existing_id,
-                                              call.link, call.link_error, call.options)
-            except DuplicateTaskError as exc:
+                original = task._on_duplicate(
+                    call.policy, call.identity.key, answer.existing_id, call.task_id, call.given,
+                    lambda task_id, headers: call.publish(task_id, headers, None), call.headers,
+                    call.link, call.link_error, call.options)
+            except Exception as exc:  # DuplicateTaskError, or a marked duplicate's publish
                 self.errors.append(exc)
                 return None
             if original is None:

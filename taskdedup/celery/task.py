@@ -21,21 +21,33 @@ from typing import Any
 
 from celery import Celery, Task
 from celery.exceptions import Ignore, Retry
+from celery.signals import after_task_publish, before_task_publish
 
 from .. import running
-from ..core import Identity, Verdict, resolve_duplicate
+from ..core import Identity, Verdict, resolve_duplicate, skipped_of, skipped_value
 from ..events import logger
-from ..exceptions import ConfigurationError, StoreUnavailableError
+from ..exceptions import ConfigurationError, DuplicateTaskError, StoreUnavailableError
 from ..policy import OnDuplicate, Policy, is_disabled
 from ..running import Running
+from ..stores.base import LockState
 from ..stores.redis import may_have_run
 from . import _compat, claims, eager
-from ._message import HEADER, SKIPPED, STATE_ATTR, carried_key, is_off, request_header
+from ._message import (
+    HEADER,
+    SKIP_ATTR,
+    SKIPPED,
+    STATE_ATTR,
+    carried_key,
+    is_off,
+    mark,
+    marked,
+    request_header,
+)
 from .batch import BATCH, Deferred
 from .config import fused_producer, fuses, get_deduplicator
 from .transport import FUSED, Fused, RedisTransport
 
-__all__ = ["DedupTask", "DuplicateExecution", "NO_RESERVE"]
+__all__ = ["DedupTask", "DuplicateExecution", "NO_RESERVE", "skipped_info"]
 
 NO_RESERVE = "_taskdedup_no_reserve"
 _CALLBACK_OPTIONS = ("link", "link_error", "chain", "chord", "group_id")
@@ -49,10 +61,9 @@ _POLICY_FIELDS = ("mode", "ttl", "lease", "include", "exclude", "key", "scope")
 
 
 class DuplicateExecution(Ignore):  # type: ignore[misc]
-    """Raised in ``before_start`` to skip a duplicate's body: Celery marks it IGNORED.
-
-    It is not a failure: no error result is stored, no errbacks run, the message is acked.
-    """
+    """No longer raised (0.1 skipped a duplicate's body with it, leaving no final state);
+    kept so that imports of it keep working. A skipped duplicate now ends SUCCESS with
+    :func:`skipped_info`, or, inside a workflow, FAILURE with ``DuplicateTaskError``."""
 
 
 class DedupTask(Task):  # type: ignore[misc]
@@ -66,6 +77,8 @@ class DedupTask(Task):  # type: ignore[misc]
     """
 
     dedup: Policy | Mapping[str, Any] | bool | None = None
+    # A duplicate that ends its workflow is an expected error: logged without a traceback.
+    throws: tuple[type[BaseException], ...] = (DuplicateTaskError,)
     _dedup_policy: Policy | None = Policy()
     _dedup_duplicate_rate: float = 0.0
     _dedup_func: Callable[..., Any] | None = None
@@ -75,6 +88,9 @@ class DedupTask(Task):  # type: ignore[misc]
         if "dedup" in cls.__dict__:  # else inherited as it is (dedup=False included)
             raw = cls.__dict__["dedup"]
             cls._dedup_policy = Policy() if raw is None else Policy.coerce(raw)
+        throws = tuple(cls.__dict__.get("throws") or ())
+        if DuplicateTaskError not in throws:
+            cls.throws = (*throws, DuplicateTaskError)
         run = cls.__dict__.get("run")
         func = getattr(run, "__func__", run)
         if cls._dedup_policy is not None and callable(func):
@@ -139,18 +155,21 @@ class DedupTask(Task):  # type: ignore[misc]
         # A fresh call (not a retry or a republish of that message) that reuses an explicit
         # task_id whose lock that id holds is a duplicate of itself, as RQ's job_id is.
         fresh = carried is None and not (task_id and task_id == self.request.id)
+        given = task_id
         task_id = task_id or str(uuid.uuid4())
         ttl_ms = _reservation_ttl_ms(policy, options)
         is_eager = self.app.conf.task_always_eager
         pending = BATCH.get()
-        if fuses(self.app) and not is_eager and self._dedup_duplicate_rate < _CHECK_FIRST_ABOVE:
+        if (fuses(self.app) and not is_eager and self._dedup_duplicate_rate < _CHECK_FIRST_ABOVE
+                and not _announces_publishes(self.app)):
             with fused_producer(self.app, producer) as acquired:
                 def publish_on(task_id: str | None, headers: dict[str, Any] | None) -> Any:
                     return publish(task_id, headers, acquired)
 
                 if isinstance(_compat.transport_of(acquired), RedisTransport):
                     handle = self._publish_fused(policy, identity, task_id, ttl_ms, publish_on,
-                                                 headers, link, link_error, options, fresh)
+                                                 headers, link, link_error, options, fresh,
+                                                 given)
                     if pending is not None:  # already one round trip: published, recorded
                         pending.results.append(handle)
                     return handle
@@ -158,15 +177,15 @@ class DedupTask(Task):  # type: ignore[misc]
             # without the gate, reserve in a round trip of its own below.
         if pending is not None and not is_eager:
             return pending.defer(Deferred(self, policy, identity, task_id, ttl_ms, publish,
-                                          headers, link, link_error, options, fresh))
-        return self._gate_and_publish(policy, identity, task_id, ttl_ms,
-                                      lambda task_id: publish(task_id, headers),
-                                      link, link_error, options, fresh)
+                                          headers, link, link_error, options, fresh, given))
+        return self._gate_and_publish(policy, identity, task_id, ttl_ms, publish, headers,
+                                      link, link_error, options, fresh, given)
 
     def _gate_and_publish(
         self, policy: Policy, identity: Identity, task_id: str, ttl_ms: int,
-        publish: Callable[[str], Any], link: Any, link_error: Any, options: Mapping[str, Any],
-        fresh: bool = False,
+        publish: Callable[[str, dict[str, Any]], Any], headers: dict[str, Any], link: Any,
+        link_error: Any, options: Mapping[str, Any], fresh: bool = False,
+        given: str | None = None,
     ) -> Any:
         """Reserve (one round trip), then publish what the gate let through; a failed
         publish releases the reservation before the error reaches the caller."""
@@ -174,12 +193,12 @@ class DedupTask(Task):  # type: ignore[misc]
         result = dedup.gate(self.name, policy, identity, task_id, ttl_ms=ttl_ms, fresh=fresh)
         self._note_outcome(result.verdict is Verdict.DUPLICATE)
         if result.verdict is Verdict.DUPLICATE:
-            return self._on_duplicate(policy, identity.key, result.existing_id, link, link_error,
-                                      options)
+            return self._on_duplicate(policy, identity.key, result.existing_id, task_id, given,
+                                      publish, headers, link, link_error, options)
         if result.verdict is Verdict.REPLACED and result.existing_id:
             self._revoke(result.existing_id)
         try:
-            return publish(task_id)
+            return publish(task_id, headers)
         except BaseException:
             if result.verdict is not Verdict.UNGUARDED:
                 dedup.release(self.name, identity.key, task_id, reason="publish_failed")
@@ -189,6 +208,7 @@ class DedupTask(Task):  # type: ignore[misc]
         self, policy: Policy, identity: Identity, task_id: str, ttl_ms: int,
         publish: Callable[[str | None, dict[str, Any] | None], Any], headers: dict[str, Any],
         link: Any, link_error: Any, options: Mapping[str, Any], fresh: bool = False,
+        given: str | None = None,
     ) -> Any:
         """Publish with the reservation inside the broker's push (:class:`RedisTransport`)."""
         fused = Fused(identity.key, task_id, ttl_ms, identity.check,
@@ -224,8 +244,8 @@ class DedupTask(Task):  # type: ignore[misc]
         self._note_outcome(result.verdict is Verdict.DUPLICATE)
         if result.verdict is Verdict.DUPLICATE:
             _compat.forget_pending(self, task_id)  # it was never sent
-            return self._on_duplicate(policy, identity.key, result.existing_id, link,
-                                      link_error, options)
+            return self._on_duplicate(policy, identity.key, result.existing_id, task_id, given,
+                                      publish, headers, link, link_error, options)
         if result.verdict is Verdict.REPLACED and result.existing_id:
             self._revoke(result.existing_id)
         return handle
@@ -267,15 +287,60 @@ class DedupTask(Task):  # type: ignore[misc]
         )
 
     def _on_duplicate(
-        self, policy: Policy, key: str, existing_id: str | None, link: Any, link_error: Any,
-        options: Mapping[str, Any],
+        self, policy: Policy, key: str, existing_id: str | None, task_id: str,
+        given: str | None, publish: Callable[[str, dict[str, Any]], Any],
+        headers: dict[str, Any], link: Any, link_error: Any, options: Mapping[str, Any],
     ) -> Any:
+        """What a duplicate call returns: the original's handle (or None, or an error) per
+        ``on_duplicate`` — or, for a duplicate that continues a workflow, its own handle: it
+        is published *marked*, and the worker ends it without running the body."""
         carried = [name for name in _CALLBACK_OPTIONS if options.get(name)]
         carried += [n for n, v in (("link", link), ("link_error", link_error)) if v]
+        workflow = self._continues(existing_id, task_id, given, options, bool(carried))
+        if workflow is not None and existing_id is not None:
+            logger.info("taskdedup: %s[%s] is a duplicate of %s and %s: published marked, its "
+                        "worker ends it without running the body", self.name, task_id,
+                        existing_id, "continues a workflow" if workflow else "is a retry")
+            return publish(task_id, {**headers, HEADER: mark(headers[HEADER], existing_id,
+                                                             workflow)})
         if resolve_duplicate(self.name, policy, key, existing_id, carried):
             if self.app.conf.task_always_eager:
                 return eager.handle(str(existing_id))
             return self.AsyncResult(existing_id)
+        return None
+
+    def _continues(
+        self, existing_id: str | None, task_id: str, given: str | None,
+        options: Mapping[str, Any], carried: bool,
+    ) -> bool | None:
+        """Whether a duplicate must be published anyway (marked), and whether it then ends
+        its workflow in an error (True) or as a skipped duplicate (False); None: not.
+
+        - A group or chord member: a group is published all or nothing, and nothing is
+          half-sent; the member's error (naming the original) becomes the group's or chord's.
+        - In a worker, Celery publishing a chain's next step, a ``link`` callback or a chord
+          body after the parent ran, or code publishing with an id of its own: raising there
+          would turn the task that already ran into a FAILURE and release its lock, and
+          returning the original's handle would leave that id without a state forever.
+        - A task's own retry (``self.retry``) whose identity another id holds meanwhile: it
+          ends as a skipped duplicate of that id, never swallowed without a state.
+
+        Never for an explicit ``task_id`` that is its own original (a duplicate of itself),
+        and never for a caller outside a worker: there a call with callbacks raises and a
+        plain call gets the original's handle, per ``on_duplicate``.
+        """
+        if not existing_id or existing_id == task_id:
+            return None
+        if options.get("group_id") or options.get("chord"):
+            return True
+        if self.app.current_worker_task is None:
+            return None
+        if carried:
+            return True
+        if given is not None and given == self.request.id:
+            return False
+        if given is not None or "parent_id" in options:
+            return True
         return None
 
     def _revoke(self, task_id: str) -> None:
@@ -295,6 +360,13 @@ class DedupTask(Task):  # type: ignore[misc]
 
     # -- worker guard ---------------------------------------------------------------------
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the body, or return the result of a skipped duplicate (``before_start``)."""
+        skipped = getattr(self.request, SKIP_ATTR, None)
+        if skipped is not None:
+            return skipped
+        return super().__call__(*args, **kwargs)
+
     def before_start(self, task_id: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
         """Claim the running lock; skip the body of a duplicate."""
         super().before_start(task_id, args, kwargs)
@@ -303,8 +375,14 @@ class DedupTask(Task):  # type: ignore[misc]
         raw = request_header(request)
         if policy is None or is_disabled() or is_off(raw, self.name):
             return
-        dedup = get_deduplicator(self.app)
         key = carried_key(raw, self.name)
+        duplicate = marked(raw, self.name)
+        if duplicate is not None:  # found at enqueue, published anyway (workflow, retry)
+            logger.info("taskdedup: skipped %s[%s]: a duplicate of %s found when it was "
+                        "published", self.name, task_id, duplicate[0])
+            self._skip(request, key, duplicate[0], None, workflow=duplicate[1])
+            return
+        dedup = get_deduplicator(self.app)
         if key is None:  # sent by name, or from a client without taskdedup
             key = dedup.identity(self.name, policy, args, kwargs, func=self._func()).key
         try:
@@ -312,14 +390,31 @@ class DedupTask(Task):  # type: ignore[misc]
         except StoreUnavailableError as exc:
             raise self._retry_later(exc) from exc
         if result.verdict is Verdict.DUPLICATE:
-            setattr(request, STATE_ATTR, SKIPPED)
-            raise DuplicateExecution(
-                f"duplicate of {result.existing_id} ({result.state.value if result.state else '?'})"
-            )
+            self._skip(request, key, result.existing_id, result.state, workflow=False)
+            return
         if result.verdict is Verdict.ACCEPTED and policy.mode.gates_execution:
             setattr(request, STATE_ATTR, key)
             claims.record(task_id, self.name, key)
         running.enter(Running(self.name, task_id, key, policy.ttl))  # left in task_postrun
+
+    def _skip(
+        self, request: Any, key: str | None, existing_id: str | None, state: LockState | None,
+        workflow: bool,
+    ) -> None:
+        """End a duplicate without its body, in a state Celery users see (result backend,
+        events, Flower): FAILURE with ``DuplicateTaskError`` naming the original when it
+        belongs to a workflow (callbacks, chain, group, chord: that error is what the
+        workflow's result and errbacks get, nothing waits forever), else SUCCESS with
+        ``{"taskdedup": "skipped duplicate", "existing_id": ..., "state": ...}``."""
+        setattr(request, STATE_ATTR, SKIPPED)
+        if workflow or request.callbacks or request.chain or request.chord or request.group:
+            raise DuplicateTaskError(
+                key or "?", existing_id,
+                f"{self.name}[{request.id}] did not run: it is a duplicate of task "
+                f"{existing_id!r}, which holds {key}; the workflow it belongs to (its callbacks, "
+                "chain, group or chord) ends with this error",
+            )
+        setattr(request, SKIP_ATTR, skipped_value(existing_id, state))
 
     def _retry_later(self, exc: StoreUnavailableError) -> Retry:
         """Republish this very message for later: never run unguarded, never dropped.
@@ -337,6 +432,28 @@ class DedupTask(Task):  # type: ignore[misc]
         sig = self.signature_from_request(request, countdown=_STORE_RETRY_COUNTDOWN)
         sig.apply_async(**{NO_RESERVE: True})
         return Retry(exc=exc, when=_STORE_RETRY_COUNTDOWN, sig=sig)
+
+
+def skipped_info(result: Any) -> dict[str, Any] | None:
+    """``{"existing_id", "state"}`` when a task was skipped as a duplicate, else None.
+
+    ``result`` is an ``AsyncResult`` (or ``EagerResult``) or the value a task returned. A
+    skipped duplicate ends SUCCESS (its body did not run: ``existing_id`` held the identity,
+    ``state`` ``queued``, ``running`` or ``done``), as a skipped RQ job ends FINISHED.
+    """
+    if hasattr(result, "successful") and hasattr(result, "result"):
+        if not result.successful():
+            return None
+        result = result.result
+    return skipped_of(result)
+
+
+def _announces_publishes(app: Celery) -> bool:
+    """Whether something watches each publish (``before/after_task_publish`` receivers, the
+    ``task-sent`` event Flower shows): then gate first, so a duplicate is never announced as
+    sent. The fused push decides inside the publish, after ``before_task_publish`` fired."""
+    return bool(before_task_publish.receivers or after_task_publish.receivers
+                or app.conf.task_send_sent_event)
 
 
 def _reservation_ttl_ms(policy: Policy, options: Mapping[str, Any]) -> int:
