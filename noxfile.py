@@ -98,6 +98,7 @@ SUBSET = [
     "tests/test_celery_faults.py",
     "tests/test_celery_lifecycle.py",
     "tests/test_celery_model.py",
+    "tests/test_celery_workflows.py",
     "tests/test_rq.py",
     "tests/test_rq_compat.py",
     "tests/test_rq_faults.py",
