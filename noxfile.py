@@ -105,6 +105,7 @@ SUBSET = [
     "tests/test_faults_network.py",
     "tests/test_faults_kill.py",
     "tests/test_sql_workers.py",
+    "tests/test_sql_faults.py",
     "tests/test_readme.py",
     "tests/test_examples.py",
 ]

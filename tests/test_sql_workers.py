@@ -21,8 +21,8 @@ from rq import Queue
 
 from taskdedup.rq import DedupJob, DedupQueue
 from taskdedup.testing import wait_for
-from tests import sql_apps
-from tests.sqldb import METADATA, rows
+from tests import sql_apps, sql_jobs
+from tests.sqldb import LEDGER, METADATA, rows
 from tests.workers import RqWorker
 
 pytestmark = pytest.mark.slow
@@ -101,20 +101,20 @@ def test_celery_body_without_dedup_key_records_the_argument_identity(
 
 
 @pytest.mark.parametrize("worker_class", ["taskdedup.rq.DedupWorker",
-                                          "tests.sql_apps.SimpleDedupWorker"])
+                                          "tests.sql_jobs.SimpleDedupWorker"])
 def test_rq_job_records_the_key_its_meta_carried(
     redis_url: str, rc: redis.Redis, db: sa.Engine, worker_class: str
 ) -> None:
     name = f"sqlw-rq-{uuid.uuid4().hex[:6]}"
-    q = DedupQueue(name, connection=rc, dedup=sql_apps.POLICY)
+    q = DedupQueue(name, connection=rc, dedup=sql_jobs.POLICY)
     order = new_order()
-    job = q.enqueue(sql_apps.rq_charge, order, 200, dedup_key=f"pay-{order}")
+    job = q.enqueue(sql_jobs.rq_charge, order, 200, dedup_key=f"pay-{order}")
     assert job is not None
     carried = job.meta["taskdedup"]["key"]
     policy = q.dedup_policy
     assert policy is not None
-    assert carried != q.dedup.identity("tests.sql_apps.rq_charge", policy, (order, 200), {},
-                                       func=sql_apps.rq_charge).key
+    assert carried != q.dedup.identity("tests.sql_jobs.rq_charge", policy, (order, 200), {},
+                                       func=sql_jobs.rq_charge).key
     worker = RqWorker(redis_url, [name], scheduler=False, worker_class=worker_class).start()
     try:
         assert returned(rc, order) == [{"charged": 200, "attempt": 1}]
@@ -130,7 +130,7 @@ def test_rq_job_without_taskdedup_meta_gets_configuration_error(
 ) -> None:
     name = f"sqlw-plain-{uuid.uuid4().hex[:6]}"
     order = new_order()
-    job = Queue(name, connection=rc).enqueue(sql_apps.rq_charge, order, 100)
+    job = Queue(name, connection=rc).enqueue(sql_jobs.rq_charge, order, 100)
     worker = RqWorker(redis_url, [name], scheduler=False).start()
     try:
         wait_for(lambda: DedupJob.fetch(job.id, connection=rc).get_status() == "failed",
@@ -141,7 +141,7 @@ def test_rq_job_without_taskdedup_meta_gets_configuration_error(
     error = latest.exc_string if latest is not None else ""
     assert "ConfigurationError" in (error or "")
     assert "outside a gated Celery/RQ task needs key" in (error or "")
-    assert seen(rc, order) == [] and not [r for r in rows(db, sql_apps.LEDGER)
+    assert seen(rc, order) == [] and not [r for r in rows(db, LEDGER)
                                           if r.order_id == order]
 
 
