@@ -7,6 +7,7 @@ at an existing server instead. If no server can be started the suite fails (it n
 
 from __future__ import annotations
 
+import gc
 import os
 import uuid
 from collections.abc import Iterator
@@ -87,7 +88,7 @@ def model_worker(redis_url: str) -> Iterator[ModelWorker]:
 
 
 @pytest.fixture(scope="module")
-def mapp(redis_url: str, model_worker: ModelWorker) -> Any:
+def mapp(redis_url: str, model_worker: ModelWorker) -> Iterator[Any]:
     """``tests.model_app``, configured for this session's Redis and ``model_worker``'s queue."""
     os.environ["TASKDEDUP_TEST_REDIS_URL"] = redis_url
     from tests import model_app
@@ -95,4 +96,7 @@ def mapp(redis_url: str, model_worker: ModelWorker) -> Any:
     model_app.app.conf.update(broker_url=redis_url, result_backend=redis_url,
                               task_default_queue=model_worker.queue)
     model_app.app.__dict__.pop("_taskdedup", None)
-    return model_app
+    yield model_app
+    # AsyncResults that waited on the backend unsubscribe when collected: do it while the
+    # server is up (at exit Celery 5.3 retries against a stopped server, deep enough to crash).
+    gc.collect()
