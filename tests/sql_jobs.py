@@ -8,6 +8,7 @@ Redis what it did::
 
     sql:seen:<order>     RPUSH a JSON record per effects() block: key, first, task_id
     sql:attempt:<order>  INCR at the start of every run
+    sql:pid:<order>      SET to the pid of the process that ran it (the last run)
     sql:ret:<order>      RPUSH the JSON value the body returned (it got that far)
     sql:at               RPUSH "<order>:<point>:<pid>" when a run pauses at its kill point
 
@@ -63,6 +64,7 @@ def ledger_charge(order_id: str, cents: int, durable: bool = True) -> Any:
     """One ledger row per charge, in one transaction; with ``durable`` the identity is
     recorded in that transaction (taskdedup.sql.effects), without it the body is plain."""
     attempt = int(r().incr(f"sql:attempt:{order_id}"))
+    r().set(f"sql:pid:{order_id}", os.getpid(), ex=600)
     _pause(order_id, "before", attempt)
     result: Any
     with engine().begin() as conn:
@@ -98,5 +100,6 @@ class LedgerWorker(DedupWorker):
     work-horse has it already (as an app's worker script imports its jobs)."""
 
 
-class SimpleDedupWorker(DedupWorker, SimpleWorker):
-    """DedupWorker running jobs in its own process (RQ's SimpleWorker: no work-horse)."""
+class SimpleDedupWorker(SimpleWorker, DedupWorker):
+    """DedupWorker running jobs in its own process: ``SimpleWorker.execute_job`` (no
+    work-horse) first in the MRO, ``DedupWorker.perform_job`` and handlers after it."""

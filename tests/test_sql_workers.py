@@ -118,8 +118,11 @@ def test_rq_job_records_the_key_its_meta_carried(
     worker = RqWorker(redis_url, [name], scheduler=False, worker_class=worker_class).start()
     try:
         assert returned(rc, order) == [{"charged": 200, "attempt": 1}]
+        worker_pid = worker.process.pid if worker.process else None
     finally:
         worker.stop()
+    ran_in = int(rc.get(f"sql:pid:{order}") or 0)  # a work-horse, or the worker itself
+    assert (ran_in == worker_pid) == worker_class.endswith("SimpleDedupWorker")
     assert seen(rc, order) == [{"key": carried, "first": True, "task_id": job.id}]
     (row,) = [r for r in rows(db) if r.key == carried]
     assert row.task_id == job.id
