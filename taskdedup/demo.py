@@ -6,16 +6,24 @@ fires the same burst at each: webhook retries of five payments, a double click, 
 that bypasses the enqueue gate, and one job that fails once and must be retried. It ends with
 a table per framework and exits 1 unless every side effect happened exactly once.
 
+Then the durable tier (:mod:`taskdedup.sql`, on a throwaway SQLite file): a charge whose RQ
+work-horse is SIGKILLed after its transaction committed and before the job returned is retried
+with the same job id; with ``effects`` the retry finds the committed row and returns the first
+run's result (one ledger row), without it the charge is booked twice.
+
 The task functions live in this module so the worker subprocesses can import them; their
 side effects are counted in a Redis hash (``HINCRBY``), one field per business effect.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -186,6 +194,153 @@ def _rq_worker(env: dict[str, str]) -> Any:
         env,
         lambda _: _redis().hget(f"rq:worker:{name}", "state") == b"idle",
     )
+
+
+# -- the durable tier (taskdedup.sql on SQLite) ---------------------------------------------
+
+DURABLE_ORDER = "ORD-201"
+DURABLE_VARIANTS = ("with taskdedup.sql", "plain transaction")
+_sql: dict[str, Any] = {}
+
+
+def _ledger() -> tuple[Any, Any]:
+    """``(metadata, ledger table)``, made on first use (SQLAlchemy is imported only here)."""
+    if not _sql:
+        import sqlalchemy as sa
+
+        from .sql import table
+
+        metadata = sa.MetaData()
+        table(metadata)
+        _sql["metadata"] = metadata
+        _sql["ledger"] = sa.Table(
+            "demo_ledger", metadata,
+            sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+            sa.Column("order_id", sa.Text, nullable=False),
+            sa.Column("variant", sa.Text, nullable=False),
+            sa.Column("cents", sa.Integer, nullable=False),
+        )
+    return _sql["metadata"], _sql["ledger"]
+
+
+def _engine() -> Any:
+    """This process's engine on the demo's SQLite file (``TASKDEDUP_DEMO_SQL``)."""
+    if _sql.get("pid") != os.getpid():
+        import sqlalchemy as sa
+
+        _sql["engine"] = sa.create_engine(f"sqlite:///{os.environ['TASKDEDUP_DEMO_SQL']}")
+        _sql["pid"] = os.getpid()
+    return _sql["engine"]
+
+
+def rq_ledger_charge(order_id: str, amount_cents: int, variant: str) -> Any:
+    """Book a charge in the ledger; the first run waits after its commit to be SIGKILLed."""
+    from .sql import effects
+
+    _metadata, ledger = _ledger()
+    attempt = _attempt("durable", variant)
+    row = {"order_id": order_id, "variant": variant, "cents": amount_cents}
+    result: Any
+    with _engine().begin() as conn:
+        if variant == DURABLE_VARIANTS[0]:
+            with effects(conn) as fx:  # the identity the job carried, in this transaction
+                if fx.first:
+                    conn.execute(ledger.insert().values(**row))
+                    fx.result = {"charged": amount_cents, "attempt": attempt}
+                result = fx.result
+        else:
+            conn.execute(ledger.insert().values(**row))
+            result = {"charged": amount_cents, "attempt": attempt}
+    if attempt == 1:  # committed, not returned: the moment at-least-once cannot cover
+        _redis().rpush(f"{PREFIX}:durable:committed", f"{variant}|{os.getpid()}")
+        _wait(lambda: False, "to be killed", timeout=60)
+    _redis().hset(f"{PREFIX}:durable:returned", variant, json.dumps(result))
+    return result
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+@dataclass
+class DurableRun:
+    """What one variant of the durable step did."""
+
+    variant: str
+    runs: int = 0
+    ledger_rows: int = 0
+    returned: str = ""
+
+    @property
+    def once(self) -> bool:
+        return self.ledger_rows == 1
+
+
+def _run_durable(env: dict[str, str]) -> list[DurableRun]:
+    """Each variant: enqueue the charge (``Retry(max=1)``), SIGKILL the work-horse once it
+    committed, let RQ retry it with the same id, then count the ledger rows."""
+    import sqlalchemy as sa
+    from rq import Retry
+
+    from .rq import DedupQueue
+
+    metadata, ledger = _ledger()
+    metadata.create_all(_engine())
+    queue = DedupQueue(QUEUE, connection=_redis(), dedup=Policy(ttl=600), dedup_prefix=PREFIX)
+    runs = []
+    for variant in DURABLE_VARIANTS:
+        queue.enqueue(rq_ledger_charge, DURABLE_ORDER, 5000, variant, retry=Retry(max=1))
+        popped = _redis().blpop([f"{PREFIX}:durable:committed"], timeout=60)
+        if popped is None:
+            raise TimeoutError(f"{variant}: the first run never committed")
+        os.kill(int(_text(popped[1]).rsplit("|", 1)[1]), signal.SIGKILL)
+        returned_key = f"{PREFIX}:durable:returned"
+        _wait(partial(_redis().hexists, returned_key, variant), f"{variant}: the retry")
+        with _engine().connect() as conn:
+            rows = conn.execute(sa.select(sa.func.count()).select_from(ledger).where(
+                ledger.c.variant == variant)).scalar()
+        returned = _text(_redis().hget(returned_key, variant) or b"")
+        runs.append(DurableRun(variant, _attempts("durable", variant), int(rows or 0),
+                               returned))
+    return runs
+
+
+def _stored(run: DurableRun) -> Any:
+    try:
+        return json.loads(run.returned)
+    except ValueError:
+        return None
+
+
+def _returned(run: DurableRun) -> str:
+    value = _stored(run)
+    if not isinstance(value, dict):
+        return run.returned or "nothing"
+    return f"charged {value.get('charged')}: run {value.get('attempt')}'s result"
+
+
+def _report_durable(console: Console, runs: list[DurableRun]) -> bool:
+    table = Table(title=f"durable tier (taskdedup.sql, SQLite): charge {DURABLE_ORDER}, "
+                        "work-horse SIGKILLed after its commit, retried with the same job id")
+    for column in ("", "runs", "ledger rows", "the retry returned", "once"):
+        table.add_column(column, justify="left" if column in ("", "the retry returned")
+                         else "right")
+    for run in runs:
+        table.add_row(run.variant, str(run.runs), str(run.ledger_rows), _returned(run),
+                      "[green]yes[/]" if run.once else "[yellow]no[/]")
+    console.print(table)
+    durable, plain = runs
+    ok = durable.once and durable.runs == 2 and _stored(durable) == {"charged": 5000,
+                                                                     "attempt": 1}
+    if ok:
+        console.print("[green]✓[/] with taskdedup.sql the retry found the committed row: one "
+                      "ledger row, and it returned the first run's stored result")
+    else:
+        console.print(f"[red]✗[/] with taskdedup.sql: {durable.ledger_rows} ledger rows, "
+                      f"{durable.runs} runs, the retry returned {_returned(durable)}")
+    console.print(f"  without it the same kill booked the charge {plain.ledger_rows} times "
+                  "(the at-least-once case the row closes)")
+    return ok
 
 
 # -- the scenario --------------------------------------------------------------------------
@@ -364,7 +519,24 @@ def _demo(ctx: click.Context, demo_url: str | None, console: Console) -> bool:
                     progress.update(job, description=f"{name}: waiting for the worker")
                     _wait(partial(_settled, framework, tally, progress, job), f"{name} effects")
                 progress.update(job, description=f"{name}: done")
-        return _report(console, tallies)
+            durable_runs: list[DurableRun] = []
+            if importlib.util.find_spec("sqlalchemy") is not None:
+                job = progress.add_task("durable tier: starting a real RQ worker",
+                                        total=len(DURABLE_VARIANTS))
+                directory = stack.enter_context(
+                    tempfile.TemporaryDirectory(prefix="taskdedup-demo-sql-"))
+                os.environ["TASKDEDUP_DEMO_SQL"] = env["TASKDEDUP_DEMO_SQL"] = os.path.join(
+                    directory, "ledger.sqlite")
+                with _rq_worker(env):
+                    progress.update(job, description="durable tier: kill after commit, retry")
+                    durable_runs = _run_durable(env)
+                    progress.update(job, completed=len(DURABLE_VARIANTS),
+                                    description="durable tier: done")
+        ok = _report(console, tallies)
+        if not durable_runs:
+            console.print("durable tier step skipped: pip install 'taskdedup[sql]' to see it")
+            return ok
+        return _report_durable(console, durable_runs) and ok
 
 
 def _settled(framework: str, tally: Tally, progress: Progress, job: Any) -> bool:
