@@ -18,6 +18,10 @@ Celery: acks_late on a Redis broker whose ``visibility_timeout`` is 4 s; the who
 (main process and pool threads) is SIGKILLed with its bodies at their points, and a new worker
 gets the messages back. RQ: the work-horse running the body is SIGKILLed (as the OOM killer
 does); the worker's main process fails the job and ``Retry(max=1)`` runs it again with its id.
+And whole RQ workers (main process and horse, as when a machine dies): RQ's abandoned-job
+handling (``StartedJobRegistry.cleanup``, run here with a cutoff in the future instead of
+waiting for the worker's heartbeat to lapse) fails the job and ``Retry(max=1)`` brings it back
+to a new worker.
 """
 
 from __future__ import annotations
@@ -36,8 +40,9 @@ import pytest
 import redis
 import sqlalchemy as sa
 from rq.job import Retry
+from rq.registry import StartedJobRegistry
 
-from taskdedup.rq import DedupQueue
+from taskdedup.rq import DedupJob, DedupQueue
 from taskdedup.testing import wait_for
 from tests import sql_apps, sql_jobs
 from tests.fault_jobs import report
@@ -52,6 +57,7 @@ CELERY_ROUNDS = 4
 CELERY_PER_ROUND = 25  # orders per mode per round: 50 bodies killed by each worker kill
 RQ_ORDERS = 100  # per mode
 RQ_WORKERS = 4
+RQ_WHOLE_ROUNDS = 2  # RQ_WORKERS workers killed whole per round, one body each
 
 
 @pytest.fixture(scope="module")
@@ -201,4 +207,59 @@ def test_rq_work_horses_sigkilled_at_every_point_charge_each_order_once(
     figures = account(rc, pg, points, durable)
     report("sql_sigkill_rq", seed=seed, work_horse_sigkills=killed,
            redelivery="Retry(max=1) after RQ's work-horse death handling", **figures)
+    check(figures)
+
+
+def test_rq_whole_workers_sigkilled_at_every_point_charge_each_order_once(
+    redis_url: str, rc: redis.Redis, pg: sa.Engine
+) -> None:
+    name = f"sqlfaults-rqw-{uuid.uuid4().hex[:6]}"
+    q = DedupQueue(name, connection=rc, dedup=sql_jobs.POLICY)
+    env = {"TASKDEDUP_TEST_SQL_URL": os.environ["TASKDEDUP_TEST_SQL_URL"]}
+    points: dict[str, str] = {}
+    durable: set[str] = set()
+    workers: list[RqWorker] = []
+    try:
+        for round_ in range(RQ_WHOLE_ROUNDS):
+            orders = [f"W{round_}-{n}-{uuid.uuid4().hex[:6]}" for n in range(RQ_WORKERS)]
+            # every point for each mode across the rounds (few bodies: not left to chance)
+            chosen = {o: POINTS[(round_ + n // 2) % len(POINTS)] for n, o in enumerate(orders)}
+            arm(rc, chosen)
+            points.update(chosen)
+            durable.update(orders[::2])
+            round_workers = [RqWorker(redis_url, [name], scheduler=False, env=env,
+                                      worker_class="tests.sql_jobs.LedgerWorker").start()
+                             for _ in range(RQ_WORKERS)]
+            workers += round_workers
+            for order in orders:
+                q.enqueue(sql_jobs.rq_charge, order, 100, order in durable, retry=Retry(max=1))
+            at: dict[str, int] = {}
+
+            def paused(orders: list[str] = orders, at: dict[str, int] = at) -> bool:
+                for x in rc.lrange("sql:at", 0, -1):
+                    order, _, pid = x.decode().split(":")
+                    if order in orders:
+                        at[order] = int(pid)
+                return len(at) == len(orders)
+
+            wait_for(paused, timeout=60, what="every body at its kill point")
+            for w in round_workers:
+                w.kill()  # the main process (its own group)...
+            for pid in at.values():
+                os.kill(pid, signal.SIGKILL)  # ...and the horse (setpgrp: a group of its own)
+            registry = StartedJobRegistry(name, connection=rc, job_class=DedupJob)
+            registry.cleanup(timestamp=time.time() + 3600)  # RQ's abandoned-job handling
+            fresh = RqWorker(redis_url, [name], scheduler=False, env=env,
+                             worker_class="tests.sql_jobs.LedgerWorker").start()
+            workers.append(fresh)
+            wait_for(lambda orders=orders: all(returned(rc, o) for o in orders), timeout=60,
+                     what="abandoned jobs retried and returned")
+            fresh.stop()
+    finally:
+        for w in workers:
+            w.kill()
+        q.empty()
+    figures = account(rc, pg, points, durable)
+    report("sql_sigkill_rq_whole_worker", worker_sigkills=RQ_WHOLE_ROUNDS * RQ_WORKERS,
+           redelivery="StartedJobRegistry.cleanup + Retry(max=1)", **figures)
     check(figures)
