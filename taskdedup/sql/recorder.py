@@ -128,7 +128,7 @@ def effects(
     params = {"b_key": key, "b_task_id": task_id, "b_now": now,
               "b_expires": now + timedelta(seconds=seconds)}
     row = conn.execute(statements.claim, params).first()
-    if row is not None and (not statements.claim_reads or row.first):
+    if row is not None and (not statements.claim_reads or row[0]):  # PostgreSQL: "first"
         fx = Effects(key, True, task_id, None)
     else:
         if row is None:  # not first: the stored row (SQLite; PostgreSQL after a wait on it)
