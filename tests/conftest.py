@@ -41,6 +41,10 @@ def redis_server(request: pytest.FixtureRequest) -> Iterator[RedisServer | None]
         from taskdedup import stats
 
         stats.flush_all()  # the counters tests left pending, while the server still runs
+        # Celery AsyncResults that waited on the backend unsubscribe when collected: do it
+        # while the server is up (at exit Celery 5.3-5.5 retry against a stopped server, for
+        # minutes, or deep enough to crash the interpreter).
+        gc.collect()
         server.cleanup()
 
 
@@ -88,7 +92,7 @@ def model_worker(redis_url: str) -> Iterator[ModelWorker]:
 
 
 @pytest.fixture(scope="module")
-def mapp(redis_url: str, model_worker: ModelWorker) -> Iterator[Any]:
+def mapp(redis_url: str, model_worker: ModelWorker) -> Any:
     """``tests.model_app``, configured for this session's Redis and ``model_worker``'s queue."""
     os.environ["TASKDEDUP_TEST_REDIS_URL"] = redis_url
     from tests import model_app
@@ -96,7 +100,4 @@ def mapp(redis_url: str, model_worker: ModelWorker) -> Iterator[Any]:
     model_app.app.conf.update(broker_url=redis_url, result_backend=redis_url,
                               task_default_queue=model_worker.queue)
     model_app.app.__dict__.pop("_taskdedup", None)
-    yield model_app
-    # AsyncResults that waited on the backend unsubscribe when collected: do it while the
-    # server is up (at exit Celery 5.3 retries against a stopped server, deep enough to crash).
-    gc.collect()
+    return model_app

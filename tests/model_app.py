@@ -55,6 +55,14 @@ def charge(key: str) -> str:
     return key
 
 
+@app.task(base=DedupTask, dedup=WINDOW, name="model.slow")
+def slow(key: str) -> str:
+    """Long enough for the test to SIGKILL the worker while it runs."""
+    ran("slow", key)
+    time.sleep(1.5)
+    return key
+
+
 @app.task(base=DedupTask, dedup=WINDOW, name="model.receipt")
 def receipt(key: str) -> str:
     ran("receipt", key)

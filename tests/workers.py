@@ -33,6 +33,7 @@ class WorkerProcess:
         self.extra_env = dict(env or {})
         self.log = Path(tempfile.mkstemp(prefix=f"{self.kind}-", suffix=".log")[1])
         self.process: subprocess.Popen[bytes] | None = None
+        self.log_start = 0  # where this start's output begins (a restart appends)
 
     def command(self) -> list[str]:
         raise NotImplementedError
@@ -45,6 +46,7 @@ class WorkerProcess:
 
     def start(self, timeout: float = 60.0) -> Self:
         env = {**os.environ, **self.environment(), **self.extra_env}
+        self.log_start = self.log.stat().st_size
         with open(self.log, "ab") as out:
             self.process = subprocess.Popen(
                 self.command(), cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
@@ -109,7 +111,7 @@ class CeleryWorker(WorkerProcess):
         return {**super().environment(), "TASKDEDUP_TEST_QUEUE": self.queue}
 
     def ready(self) -> bool:
-        return " ready." in self.output()
+        return " ready." in self.output()[self.log_start:]
 
 
 class RqWorker(WorkerProcess):
