@@ -41,6 +41,7 @@ app.conf.update(
 
 WINDOW = Policy(mode="until_expired", ttl=300)   # longer than the test: a run is final
 ONCE = Policy(mode="until_executed", ttl=300)    # released when it ends (then may run again)
+STARTED = Policy(mode="until_executing", ttl=300)  # released when a worker starts it
 
 
 def ran(name: str, key: str) -> None:
@@ -108,6 +109,18 @@ def spawn(key: str, child: str) -> str:
     """Publishes ``receipt(child)`` from its body (a duplicate when that receipt is held)."""
     ran("spawn", key)
     return str(receipt.delay(child).id)
+
+
+@app.task(base=DedupTask, dedup=STARTED, bind=True, max_retries=2, name="model.retry_later")
+def retry_later(self: DedupTask, key: str) -> str:
+    """On its first run waits for the test's go (``model:go:<key>``), then asks for a retry."""
+    ran("retry_later", key)
+    if r().incr(f"model:attempts:retry_later:{key}") == 1:
+        deadline = time.monotonic() + 20
+        while not r().exists(f"model:go:{key}") and time.monotonic() < deadline:
+            time.sleep(0.02)
+        raise self.retry(countdown=0.2)
+    return key
 
 
 @signals.task_postrun.connect

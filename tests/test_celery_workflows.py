@@ -181,6 +181,25 @@ def test_a_skipped_duplicate_with_callbacks_fails_naming_the_original_and_its_er
     assert runs(rc, "log", then) == 0 and runs(rc, "charge", key) == 1
 
 
+def test_a_retry_whose_identity_another_call_took_ends_as_its_skipped_duplicate(
+    mapp: Any, rc: redis.Redis, model_worker: ModelWorker,
+) -> None:
+    """``until_executing`` releases the lock when the first run starts; a new call takes it;
+    the first run's ``self.retry`` is then a duplicate of that call. It is never left in
+    RETRY without a message: it ends as a skipped duplicate naming the call that runs."""
+    key = new_key()
+    first = mapp.retry_later.delay(key)
+    wait_for(lambda: runs(rc, "retry_later", key) == 1, timeout=20, what="the first run")
+    second = mapp.retry_later.apply_async((key,), countdown=3)  # queued while the retry comes
+    assert second.id != first.id, "released when the first run started: a new call is taken"
+    rc.set(f"model:go:{key}", 1, ex=60)
+    ended = final(mapp, first.id)
+    assert ended.state == SUCCESS
+    assert skipped_info(ended) == {"existing_id": second.id, "state": None}
+    assert final(mapp, second.id).state == SUCCESS
+    assert runs(rc, "retry_later", key) == 2  # the first run and the call that took over
+
+
 # -- item 7: a duplicate published from a task's body is not one of its children ---------------
 
 def test_a_duplicate_published_from_a_body_is_not_left_among_the_parents_children(
