@@ -298,9 +298,9 @@ class DedupTask(Task):  # type: ignore[misc]
         carried += [n for n, v in (("link", link), ("link_error", link_error)) if v]
         workflow = self._continues(existing_id, task_id, given, options, bool(carried))
         if workflow is not None and existing_id is not None:
-            logger.info("taskdedup: %s[%s] is a duplicate of %s and %s: published marked, its "
-                        "worker ends it without running the body", self.name, task_id,
-                        existing_id, "continues a workflow" if workflow else "is a retry")
+            logger.debug("taskdedup: %s[%s] is a duplicate of %s and %s: published marked, its "
+                         "worker ends it without running the body", self.name, task_id,
+                         existing_id, "continues a workflow" if workflow else "is a retry")
             return publish(task_id, {**headers, HEADER: mark(headers[HEADER], existing_id,
                                                              workflow)})
         if resolve_duplicate(self.name, policy, key, existing_id, carried):
@@ -378,8 +378,8 @@ class DedupTask(Task):  # type: ignore[misc]
         key = carried_key(raw, self.name)
         duplicate = marked(raw, self.name)
         if duplicate is not None:  # found at enqueue, published anyway (workflow, retry)
-            logger.info("taskdedup: skipped %s[%s]: a duplicate of %s found when it was "
-                        "published", self.name, task_id, duplicate[0])
+            logger.debug("taskdedup: skipped %s[%s]: a duplicate of %s found when it was "
+                         "published", self.name, task_id, duplicate[0])
             self._skip(request, key, duplicate[0], None, workflow=duplicate[1])
             return
         dedup = get_deduplicator(self.app)

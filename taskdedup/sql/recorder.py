@@ -27,6 +27,7 @@ DEFAULT_TTL: Final = 86_400.0
 as long as payment providers keep an idempotency key). Inside a task the default is the
 policy's window."""
 
+
 class Effects:
     """What :func:`effects` yields.
 
