@@ -19,7 +19,16 @@ from .exceptions import (
     TaskDedupError,
 )
 from .identity import FINGERPRINT_VERSION, fingerprint, register_canonical
-from .policy import Mode, OnDuplicate, OnStoreError, Policy, disable, enable, is_disabled
+from .policy import (
+    Mode,
+    OnDuplicate,
+    OnStoreError,
+    Policy,
+    disable,
+    disabled,
+    enable,
+    is_disabled,
+)
 from .stores import MemoryStore, RedisStore, Store
 
 try:
@@ -38,6 +47,7 @@ __all__ = [
     "OnDuplicate",
     "OnStoreError",
     "disable",
+    "disabled",
     "enable",
     "is_disabled",
     # Engine and stores

