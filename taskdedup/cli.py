@@ -55,7 +55,8 @@ _STATE_NAMES: Final = {"Q": "queued", "R": "running", "D": "done"}
 # heavy: Celery, RQ, a Redis server). ``taskdedup demo`` is ``taskdedup/demo.py``'s ``demo``
 # click command; it is listed once that module exists.
 LAZY_COMMANDS: Final[dict[str, str]] = {"demo": "taskdedup.demo:demo",
-                                         "sql": "taskdedup.sql.cli:sql"}
+                                         "sql": "taskdedup.sql.cli:sql",
+                                         "web": "taskdedup.web.cli:web"}
 
 
 class CliError(click.ClickException):

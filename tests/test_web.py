@@ -1,0 +1,282 @@
+"""``taskdedup web``'s ASGI app through Starlette's TestClient, on the session's real Redis:
+pages and JSON, SCAN paging (never KEYS), no argument values anywhere, the chart's
+time series, mounting inside another app, and every way a clear is refused."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+from click.testing import CliRunner
+from starlette.applications import Starlette
+from starlette.routing import Mount
+
+from taskdedup import ConfigurationError, Deduplicator, Policy, RedisStore, stats
+from taskdedup.cli import main
+from taskdedup.core import Verdict
+from taskdedup.stats import stats_key
+from taskdedup.testing import free_port, wait_for
+from taskdedup.web import create_app
+from taskdedup.web.app import TOKEN_HEADER
+
+with warnings.catch_warnings():  # Starlette 1.x prefers httpx2; httpx works with every release
+    warnings.simplefilter("ignore")
+    from starlette.testclient import TestClient
+
+TOKEN = "s3cret-token-for-tests"
+SECRET = "SECRET-ORDER-4242"  # an argument value that must never appear on a page
+POLICY = Policy(ttl=60)
+
+
+class CountingRedis(redis.Redis):
+    """A client that remembers the name of every command it sent."""
+
+    commands: list[str]
+
+    def execute_command(self, *args: Any, **options: Any) -> Any:
+        self.commands.append(str(args[0]).upper())
+        return super().execute_command(*args, **options)
+
+
+@pytest.fixture
+def client(redis_client: redis.Redis, redis_url: str) -> Iterator[CountingRedis]:
+    counting = CountingRedis.from_url(redis_url)
+    counting.commands = []
+    yield counting
+    counting.close()
+
+
+@pytest.fixture
+def make_app(client: CountingRedis) -> Iterator[Callable[..., TestClient]]:
+    apps: list[Starlette] = []
+
+    def make(**options: Any) -> TestClient:
+        app = create_app(client, **options)
+        apps.append(app)
+        return TestClient(app)
+
+    yield make
+    for app in apps:
+        app.state.dashboard.history.stop()
+
+
+def take(dedup: Deduplicator, task: str, arg: Any, owner: str) -> str:
+    identity = dedup.identity(task, POLICY, (arg,))
+    assert dedup.gate(task, POLICY, identity, owner).verdict is Verdict.ACCEPTED
+    return identity.key
+
+
+@pytest.fixture
+def dedup(redis_client: redis.Redis) -> Deduplicator:
+    return Deduplicator(RedisStore(redis_client))
+
+
+def test_the_overview_shows_locks_by_task_and_state_and_the_counters(
+    make_app: Callable[..., TestClient], dedup: Deduplicator, redis_client: redis.Redis,
+) -> None:
+    recorder = stats.StatsRecorder(redis_client, interval=3600)
+    dedup.events.add(recorder)
+    keys = [take(dedup, "app.charge", f"{SECRET}-{n}", f"task-{n}") for n in range(3)]
+    dedup.store.claim(keys[0], "task-0", 30_000)  # one running
+    take(dedup, "app.mail", SECRET, "mail-1")
+    identity = dedup.identity("app.charge", POLICY, (f"{SECRET}-1",))
+    duplicate = dedup.gate("app.charge", POLICY, identity, "dup-1")
+    assert duplicate.verdict is Verdict.DUPLICATE
+    assert recorder.flush()
+    redis_client.hincrby(stats_key("taskdedup", "app.mail"), "lease_lost", 2)
+    redis_client.hincrby(stats_key("taskdedup", "app.mail"), "store_error", 1)
+
+    page = make_app().get("/")
+    assert page.status_code == 200
+    text = page.text
+    assert '<svg id="dup-rate-chart"' in text
+    assert "Locks by task and state (4)" in text
+    by_task = text[text.index('id="by-task"'):]
+    row = by_task[by_task.index("app.charge"):]
+    assert ">1</a>" in row[:row.index("</tr>")] and ">2</a>" in row[:row.index("</tr>")]
+    stats_table = text[text.index('id="stats"'):]
+    mail_row = stats_table[stats_table.index("app.mail"):]
+    mail_row = mail_row[:mail_row.index("</tr>")]
+    assert '<td class="n">2</td>' in mail_row and '<td class="n">1</td>' in mail_row
+    charge_row = stats_table[stats_table.index("app.charge"):]
+    assert "25.0%" in charge_row[:charge_row.index("</tr>")]  # 1 duplicate / (3 + 1)
+    soonest = text[text.index('id="soonest"'):text.index('id="oldest"')]
+    assert all(key in soonest for key in keys)
+    assert SECRET not in text
+
+
+def test_locks_are_paged_with_scan_and_a_cursor_never_keys(
+    make_app: Callable[..., TestClient], dedup: Deduplicator, client: CountingRedis,
+    redis_client: redis.Redis,
+) -> None:
+    expected = {take(dedup, "app.charge", n, f"task-{n}") for n in range(45)}
+    redis_client.hset(stats_key("taskdedup", "app.charge"), "reserved", 45)  # not a lock
+    redis_client.set("other:key", "x")  # not under the prefix
+    web = make_app(page_size=10)
+    seen: list[str] = []
+    cursor, pages = 0, 0
+    while True:
+        data = web.get("/api/locks", params={"cursor": cursor}).json()
+        seen += [lock["key"] for lock in data["locks"]]
+        pages += 1
+        cursor = data["cursor"]
+        if cursor == 0:
+            break
+        assert pages < 50
+    assert sorted(seen) == sorted(expected)  # each once, none missing
+    assert pages > 1
+    html = web.get("/locks", params={"state": "queued"}).text
+    assert "next page" in html or "end of the scan" in html
+    assert "SCAN" in client.commands
+    assert "KEYS" not in client.commands
+
+
+def test_a_page_filters_by_task_and_state(
+    make_app: Callable[..., TestClient], dedup: Deduplicator,
+) -> None:
+    charge = take(dedup, "app.charge", 1, "task-1")
+    running = take(dedup, "app.charge", 2, "task-2")
+    dedup.store.claim(running, "task-2", 30_000)
+    mail = take(dedup, "app.mail", 1, "mail-1")
+    web = make_app()
+    page = web.get("/locks", params={"task": "app.charge", "state": "running"}).text
+    assert running in page and charge not in page and mail not in page
+    data = web.get("/api/locks", params={"task": "app.mail"}).json()
+    assert [lock["key"] for lock in data["locks"]] == [mail]
+
+
+def test_one_locks_detail_shows_key_task_state_owner_and_ttl_never_arguments(
+    make_app: Callable[..., TestClient], dedup: Deduplicator,
+) -> None:
+    key = take(dedup, "app.charge", SECRET, "task-42")
+    web = make_app()
+    page = web.get("/lock", params={"key": key})
+    assert page.status_code == 200
+    for text in (key, "app.charge", "queued", "task-42", "Read-only"):
+        assert text in page.text
+    assert 'id="clear-form"' not in page.text
+    data = web.get("/api/lock", params={"key": key}).json()
+    assert data["owner"] == "task-42" and 0 < data["ttl_ms"] <= 60_000
+    for path in ("/", "/locks", "/api/locks", "/api/stats", "/api/series", "/chart.svg"):
+        assert SECRET not in web.get(path).text
+    assert web.get("/lock", params={"key": "taskdedup:app.charge:" + "0" * 32}).status_code == 404
+    assert web.get("/api/lock", params={"key": "elsewhere"}).status_code == 404
+
+
+def test_the_chart_plots_the_duplicate_rate_between_samples(
+    make_app: Callable[..., TestClient], dedup: Deduplicator, redis_client: redis.Redis,
+) -> None:
+    key = stats_key("taskdedup", "app.charge")
+    web = make_app(sample_every=3600, keep=3)  # the thread samples once; the test samples
+    history = web.app.state.dashboard.history  # type: ignore[attr-defined]
+    web.get("/")
+    wait_for(lambda: len(history.snapshot()) == 1, what="the first sample")
+    redis_client.hset(key, mapping={"reserved": 3, "duplicate": 1})
+    history.sample()
+    redis_client.hset(key, mapping={"reserved": 4, "duplicate": 4})
+    history.sample()
+    series = web.get("/api/series").json()
+    assert series["samples"] == 3
+    rates = [point["rate"] for point in series["duplicate_rate"]["app.charge"]]
+    assert rates == [0.25, 0.75]  # 1 of 4, then 3 of 4
+    svg = web.get("/chart.svg")
+    assert svg.headers["content-type"].startswith("image/svg+xml")
+    assert '<polyline class="series" data-task="app.charge"' in svg.text
+    redis_client.hset(key, mapping={"reserved": 5})
+    history.sample()
+    assert len(history.snapshot()) == 3  # bounded: the oldest went
+    assert [r for _, r in history.rates()["app.charge"]] == [0.75, 0.0]
+
+
+def test_clearing_is_refused_when_the_app_is_read_only(
+    make_app: Callable[..., TestClient], dedup: Deduplicator, redis_client: redis.Redis,
+) -> None:
+    key = take(dedup, "app.charge", 1, "task-1")
+    web = make_app(token=TOKEN)  # a token without allow_clear enables nothing
+    for path in ("/clear", "/api/clear"):
+        answer = web.post(path, data={"key": key, "owner": "task-1", "token": TOKEN},
+                          headers={TOKEN_HEADER: TOKEN})
+        assert answer.status_code == 403
+        assert "read-only" in answer.text
+    assert web.get("/clear").status_code == 405
+    assert redis_client.exists(key)
+
+
+def test_clearing_needs_the_token_and_the_current_owner(
+    make_app: Callable[..., TestClient], dedup: Deduplicator, redis_client: redis.Redis,
+) -> None:
+    key = take(dedup, "app.charge", 1, "task-1")
+    web = make_app(allow_clear=True, token=TOKEN)
+    assert 'id="clear-form"' in web.get("/lock", params={"key": key}).text
+    form = {"key": key, "owner": "task-1"}
+    assert web.post("/clear", data=form).status_code == 403
+    assert web.post("/clear", data={**form, "token": TOKEN[:-1]}).status_code == 403
+    assert web.post("/clear", data=form, params={"token": TOKEN}).status_code == 403
+    assert web.post("/api/clear", json=form, headers={TOKEN_HEADER: "x" * 20}).status_code == 403
+    assert redis_client.exists(key)
+    stale = web.post("/api/clear", json={**form, "owner": "task-0"},
+                     headers={TOKEN_HEADER: TOKEN})
+    assert stale.status_code == 409 and stale.json()["cleared"] is False
+    assert redis_client.exists(key)  # another owner's lock is never deleted
+    done = web.post("/clear", data={**form, "token": TOKEN})
+    assert done.status_code == 200 and 'id="clear-result"' in done.text
+    assert not redis_client.exists(key)
+    outside = web.post("/api/clear", json={"key": "other:key", "owner": "x"},
+                       headers={TOKEN_HEADER: TOKEN})
+    assert outside.status_code == 409
+
+
+def test_create_app_refuses_unsafe_settings(redis_client: redis.Redis) -> None:
+    with pytest.raises(ConfigurationError, match="needs a token"):
+        create_app(redis_client, allow_clear=True)
+    with pytest.raises(ConfigurationError, match="at least 16"):
+        create_app(redis_client, allow_clear=True, token="short")
+    with pytest.raises(ConfigurationError):
+        create_app("http://localhost:6379")
+
+
+def test_the_app_mounts_inside_another_asgi_app(
+    client: CountingRedis, dedup: Deduplicator,
+) -> None:
+    key = take(dedup, "app.charge", 1, "task-1")
+    dashboard = create_app(client)
+    host = Starlette(routes=[Mount("/ops/taskdedup", app=dashboard)])
+    try:
+        web = TestClient(host)
+        home = web.get("/ops/taskdedup/")
+        assert home.status_code == 200
+        assert 'href="/ops/taskdedup/locks?task=app.charge"' in home.text
+        locks = web.get("/ops/taskdedup/locks")
+        assert f'href="/ops/taskdedup/lock?key={key.replace(":", "%3A")}"' in locks.text
+        assert web.get("/ops/taskdedup/lock", params={"key": key}).status_code == 200
+        assert web.get("/ops/taskdedup/api/series").json()["every"] == 10.0
+    finally:
+        dashboard.state.dashboard.history.stop()
+
+
+def test_an_unreachable_server_is_one_clear_line() -> None:
+    app = create_app(f"redis://127.0.0.1:{free_port()}/0")
+    try:
+        web = TestClient(app)
+        page = web.get("/")
+        assert page.status_code == 503
+        assert "cannot reach Redis at" in page.text
+        assert web.get("/api/locks").json()["error"].startswith("cannot reach Redis")
+    finally:
+        app.state.dashboard.history.stop()
+
+
+def test_the_web_command_is_listed_and_needs_a_url() -> None:
+    runner = CliRunner()
+    assert "web" in runner.invoke(main, ["--help"]).output
+    helped = runner.invoke(main, ["web", "--help"])
+    assert helped.exit_code == 0 and "--allow-clear" in helped.output
+    assert "127.0.0.1" in helped.output
+    missing = runner.invoke(main, ["web"], env={"TASKDEDUP_URL": ""})
+    assert missing.exit_code == 1 and "no Redis URL" in missing.output
+    short = runner.invoke(main, ["--url", "redis://127.0.0.1:1/0", "web", "--allow-clear",
+                                 "--token", "short"])
+    assert short.exit_code == 1 and "at least 16" in short.output
