@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
+from .approximate import Approximate
 from .core import Deduplicator
 from .events import DedupEvent, Event
 from .exceptions import (
@@ -46,6 +47,7 @@ __all__ = [
     "Mode",
     "OnDuplicate",
     "OnStoreError",
+    "Approximate",
     "disable",
     "disabled",
     "enable",

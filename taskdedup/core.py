@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from . import approximate
+from .approximate import Probe
 from .events import Counters, DedupEvent, Event, Events, logger
 from .exceptions import (
     ConfigurationError,
@@ -103,6 +105,8 @@ class Deduplicator:
         self._heartbeat_pid = 0
         self._heartbeat_lock = threading.Lock()
         self._store_checked = False
+        # approximate windows: (task, slice index) already warned about in this process
+        self._window_warned: set[tuple[str, int]] = set()
 
     # -- identity -------------------------------------------------------------------------
 
@@ -132,6 +136,10 @@ class Deduplicator:
                 name, args, kwargs, func=func,
                 include=policy.include, exclude=policy.exclude, scope=scope,
             )
+        if policy.window is not None:
+            key = approximate.lock_key(self.prefix, scope, name, digest, policy.window)
+            approximate.register(key, policy.window, policy.ttl_ms)
+            return Identity(key, check)
         return Identity(self.lock_key(name, digest, scope), check)
 
     def lock_key(self, name: str, digest: str, scope: str | None = None) -> str:
@@ -164,7 +172,10 @@ class Deduplicator:
         started = time.perf_counter()
         try:
             # fresh only when set: a store written before ``fresh`` still takes the call
-            extra = {"fresh": True} if fresh else {}
+            extra: dict[str, Any] = {"fresh": True} if fresh else {}
+            probe = window_probe(policy, identity.key)
+            if probe is not None:
+                extra["window"] = probe
             if policy.on_duplicate is OnDuplicate.REPLACE:
                 result = self.store.replace(identity.key, owner, ttl_ms, identity.check, **extra)
             else:
@@ -191,7 +202,7 @@ class Deduplicator:
         bulk: Callable[..., list[LockResult]] | None = getattr(self.store, "reserve_many", None)
         batched = [] if bulk is None else [
             i for i, call in enumerate(calls)
-            if call.policy.on_duplicate is not OnDuplicate.REPLACE
+            if call.policy.on_duplicate is not OnDuplicate.REPLACE and call.policy.window is None
         ]
         # One pipeline per kind of call (fresh or not: nearly always one kind).
         groups = [[i for i in batched if calls[i].fresh is fresh] for fresh in (False, True)]
@@ -276,7 +287,9 @@ class Deduplicator:
         if outcome is Outcome.MISMATCH:
             self._emit(Event.DUPLICATE, name, key, owner, existing, "mismatch", seconds)
             raise IdempotencyKeyMismatch(key, existing)
-        self._emit(Event.DUPLICATE, name, key, owner, existing, None, seconds)
+        # existing None with DONE: an approximate window's filter remembers the identity
+        detail = "window" if existing is None and result.state is LockState.DONE else None
+        self._emit(Event.DUPLICATE, name, key, owner, existing, detail, seconds)
         return GateResult(Verdict.DUPLICATE, existing, result.state)
 
     def _forget_reservation(self, key: str, owner: str) -> None:
@@ -308,7 +321,12 @@ class Deduplicator:
             self.release(name, key, owner, reason="started")
             return StartResult(Verdict.ACCEPTED)
         try:
-            result = self.store.claim(key, owner, policy.lease_ms)
+            probe = window_probe(policy, key)
+            if probe is not None:
+                result = self.store.claim(key, owner, policy.lease_ms,  # type: ignore[call-arg]
+                                          window=probe)
+            else:
+                result = self.store.claim(key, owner, policy.lease_ms)
         except StoreUnavailableError as exc:
             return self.store_error(name, policy, key, owner, exc, "start")
         if result.outcome is Outcome.ACQUIRED:
@@ -337,8 +355,12 @@ class Deduplicator:
                 self._emit(Event.LEASE_LOST, name, key, owner, detail="release")
             return
         ttl_ms = policy.ttl_ms if policy.mode is Mode.UNTIL_EXPIRED else 0
+        probe = window_probe(policy, key)
         try:
-            outcome = self.store.complete(key, owner, ttl_ms)
+            if probe is not None:
+                outcome = self._remember(name, key, owner, probe)
+            else:
+                outcome = self.store.complete(key, owner, ttl_ms)
         except StoreUnavailableError as exc:
             self._emit(Event.STORE_ERROR, name, key, owner, detail="complete")
             logger.warning("taskdedup: could not complete %s[%s]: %s", name, owner, exc)
@@ -352,6 +374,27 @@ class Deduplicator:
                 "too short?, or evicted by the server: taskdedup doctor checks)",
                 name, owner, key, policy.lease,
             )
+
+    def _remember(self, name: str, key: str, owner: str, probe: Probe) -> Outcome:
+        """Complete under an approximate window: the identity goes into the current slice
+        (one round trip); a slice passing its capacity share is reported once (WARNING)."""
+        remembered = self.store.remember(key, owner, probe)  # type: ignore[attr-defined]
+        window = probe.window
+        if remembered.added > window.share:
+            mark = (name, remembered.slice_index)
+            if mark not in self._window_warned:
+                self._window_warned.add(mark)
+                if len(self._window_warned) > 1024:
+                    self._window_warned = {mark}
+                logger.warning(
+                    "taskdedup: the approximate window of %s passed its capacity: a slice "
+                    "holds more than %d identities per partition (capacity=%d over %d live "
+                    "slices and %d partitions), so its false-positive rate is above "
+                    "error_rate=%g; raise capacity", name, window.share, window.capacity,
+                    window.slices + 1, window.partitions, window.error_rate,
+                )
+        outcome: Outcome = remembered.outcome
+        return outcome
 
     def release(
         self, name: str, key: str, owner: str, *, reason: str, only_queued: bool = False
@@ -433,6 +476,14 @@ class Deduplicator:
 _STATE_WORDS = {LockState.QUEUED: "queued", LockState.RUNNING: "running", LockState.DONE: "done"}
 
 
+def window_probe(policy: Policy, key: str) -> Probe | None:
+    """The approximate window's probe of lock ``key`` under ``policy``, or None (an exact
+    window, or a key made without the window: e.g. a message sent before it was declared)."""
+    if policy.window is None:
+        return None
+    return approximate.probe(key, policy.window, policy.ttl_ms)
+
+
 STATE_WORDS: dict[LockState, str] = {
     LockState.QUEUED: "queued", LockState.RUNNING: "running", LockState.DONE: "done"}
 SKIPPED_MARK = "skipped duplicate"
@@ -472,6 +523,20 @@ def resolve_duplicate(
             f"nothing was sent. Enqueue the workflow once, or give the call a dedup_key / "
             "dedup=False.",
         )
+    if existing_id is None and policy.window is not None and not carried:
+        # The approximate window remembers the identity (a filter keeps no id): there is no
+        # original's handle to return, so "return" and "drop" both give None.
+        if policy.on_duplicate is OnDuplicate.RAISE or (
+            policy.on_duplicate is OnDuplicate.REPLACE and replace_raises
+        ):
+            raise DuplicateTaskError(
+                key, None,
+                f"duplicate {unit} {name}: {key} succeeded within the window (remembered by "
+                "the approximate window, which keeps no id; or a false positive at its "
+                "error_rate)",
+            )
+        logger.info("taskdedup: duplicate %s remembered by the approximate window", name)
+        return False
     if existing_id is None:
         raise DuplicateTaskError(
             key, None,

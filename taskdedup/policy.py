@@ -15,6 +15,7 @@ from datetime import timedelta
 from enum import Enum, StrEnum
 from typing import Any
 
+from .approximate import Approximate
 from .exceptions import ConfigurationError
 
 __all__ = [
@@ -115,6 +116,24 @@ def _names(name: str, value: Collection[str] | str | None) -> frozenset[str] | N
     return names
 
 
+def _window(value: Any) -> Approximate | None:
+    if value is None or isinstance(value, Approximate):
+        return value
+    if isinstance(value, Mapping):
+        known = {"capacity", "error_rate", "slices", "partitions"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ConfigurationError(
+                f"unknown Approximate field(s) {', '.join(map(repr, unknown))}; "
+                f"known: {', '.join(sorted(known))}"
+            )
+        return Approximate(**value)
+    raise ConfigurationError(
+        f"Policy.window must be None or taskdedup.Approximate(capacity, error_rate), got "
+        f"{type(value).__name__}"
+    )
+
+
 @dataclass(frozen=True)
 class Policy:
     """How one task (or queue) is deduplicated.
@@ -132,6 +151,10 @@ class Policy:
         scope: a namespace inserted in the Redis key (e.g. a tenant or an environment).
         on_duplicate: ``return`` (default), ``raise``, ``drop`` or ``replace``.
         on_store_error: ``raise`` (default) or ``allow`` (fail open).
+        window: ``None`` (default: the window after success is an exact ``done`` lock) or
+            :class:`~taskdedup.Approximate` (only with ``mode="until_expired"``): the window
+            is remembered in rotating Bloom filters, ~1-2 bytes per identity, with a bounded
+            false-positive rate (a dict of its fields is accepted too).
     """
 
     mode: Mode = Mode.UNTIL_EXPIRED
@@ -143,6 +166,7 @@ class Policy:
     scope: str | None = None
     on_duplicate: OnDuplicate = OnDuplicate.RETURN
     on_store_error: OnStoreError = OnStoreError.RAISE
+    window: Approximate | None = None
 
     def __init__(
         self,
@@ -155,6 +179,7 @@ class Policy:
         scope: str | None = None,
         on_duplicate: OnDuplicate | str = OnDuplicate.RETURN,
         on_store_error: OnStoreError | str = OnStoreError.RAISE,
+        window: Approximate | Mapping[str, Any] | None = None,
     ) -> None:
         set_ = object.__setattr__
         set_(self, "mode", _enum(Mode, "mode", mode))
@@ -168,6 +193,7 @@ class Policy:
         set_(self, "scope", scope or None)
         set_(self, "on_duplicate", _enum(OnDuplicate, "on_duplicate", on_duplicate))
         set_(self, "on_store_error", _enum(OnStoreError, "on_store_error", on_store_error))
+        set_(self, "window", _window(window))
         self._validate()
 
     def _validate(self) -> None:
@@ -181,6 +207,12 @@ class Policy:
             raise ConfigurationError("Policy.key must be a callable taking the task's arguments")
         if self.scope is not None and ":" in self.scope:
             raise ConfigurationError("Policy.scope must be a string without ':'")
+        if self.window is not None and self.mode is not Mode.UNTIL_EXPIRED:
+            raise ConfigurationError(
+                f"Policy(mode={self.mode.value!r}, window=Approximate(...)): an approximate "
+                "window remembers identities for ttl after success, which only "
+                "mode='until_expired' does; use mode='until_expired' or drop window="
+            )
         if self.mode is Mode.WHILE_EXECUTING and self.on_duplicate is not OnDuplicate.RETURN:
             raise ConfigurationError(
                 f"Policy(mode='while_executing', on_duplicate={self.on_duplicate.value!r}): "

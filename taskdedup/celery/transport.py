@@ -16,6 +16,7 @@ from typing import Any
 import redis
 from kombu.utils.json import dumps as _kombu_dumps
 
+from ..approximate import probe_for
 from ..exceptions import StoreUnavailableError
 from ..stores.base import LockResult, Outcome
 from ..stores.redis import may_have_run, reserve_and_run
@@ -58,7 +59,7 @@ class Fused:
             self.result, _ = reserve_and_run(client, self.key, self.owner, self.ttl_ms,
                                              self.check, self.replace, commands,
                                              resent=target in self.unsure,
-                                             fresh=self.fresh)
+                                             fresh=self.fresh, window=probe_for(self.key))
         except StoreUnavailableError as exc:
             cause = exc.__cause__
             if may_have_run(exc) and isinstance(cause, redis.RedisError):

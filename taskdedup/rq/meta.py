@@ -10,6 +10,7 @@ from typing import Any, Final
 
 from rq.job import Job
 
+from ..approximate import Approximate
 from ..core import GateResult
 from ..events import logger
 from ..exceptions import ConfigurationError
@@ -19,7 +20,8 @@ from ..stores.base import LockState
 __all__ = ["META_KEY", "Guard", "guard_of", "meta_entry", "skip_result", "skipped_info"]
 
 META_KEY: Final = "taskdedup"
-"""``job.meta`` entry: ``{"task", "key", "mode", "ttl", "lease", "on_store_error"}``, or
+"""``job.meta`` entry: ``{"task", "key", "mode", "ttl", "lease", "on_store_error"}`` (and
+``"window": [capacity, error_rate, slices, partitions]`` under an approximate window), or
 ``{"off": True}`` for a call made with ``dedup=False``; ``"skipped"`` is added to a job whose
 execution was skipped as a duplicate."""
 
@@ -39,15 +41,27 @@ class Guard:
 def meta_entry(name: str, key: str, policy: Policy) -> dict[str, Any]:
     """The ``job.meta`` entry of a gated call: its identity and the policy fields the worker
     needs."""
-    return {
+    entry: dict[str, Any] = {
         "task": name, "key": key, "mode": policy.mode.value, "ttl": policy.ttl,
         "lease": policy.lease, "on_store_error": policy.on_store_error.value,
     }
+    window = policy.window
+    if window is not None:
+        entry["window"] = [window.capacity, window.error_rate, window.slices,
+                           window.partitions]
+    return entry
 
 
 @functools.lru_cache(maxsize=256)
-def _worker_policy(mode: Any, ttl: Any, lease: Any, on_store_error: Any) -> Policy:
-    return Policy(mode=mode, ttl=ttl, lease=lease, on_store_error=on_store_error)
+def _worker_policy(
+    mode: Any, ttl: Any, lease: Any, on_store_error: Any, window: Any = None
+) -> Policy:
+    approximate = None
+    if window is not None:
+        capacity, error_rate, slices, partitions = window
+        approximate = Approximate(capacity, error_rate, slices, partitions)
+    return Policy(mode=mode, ttl=ttl, lease=lease, on_store_error=on_store_error,
+                  window=approximate)
 
 
 def guard_of(job: Job) -> Guard | None:
@@ -60,9 +74,11 @@ def guard_of(job: Job) -> Guard | None:
     if not isinstance(key, str) or not key:
         return None
     try:
+        window = raw.get("window")
         policy = _worker_policy(raw.get("mode"), raw.get("ttl"), raw.get("lease"),
-                                raw.get("on_store_error"))
-    except (ConfigurationError, TypeError) as exc:
+                                raw.get("on_store_error"),
+                                None if window is None else tuple(window))
+    except (ConfigurationError, TypeError, ValueError) as exc:
         logger.warning("taskdedup: job %s carries unreadable dedup meta (%s); not guarded",
                        job.id, exc)
         return None

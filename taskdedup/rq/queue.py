@@ -21,7 +21,14 @@ from rq.queue import Queue
 from rq.timeouts import BaseDeathPenalty, UnixSignalDeathPenalty
 from rq.utils import now
 
-from ..core import Deduplicator, GateResult, Identity, Verdict, resolve_duplicate
+from ..core import (
+    Deduplicator,
+    GateResult,
+    Identity,
+    Verdict,
+    resolve_duplicate,
+    window_probe,
+)
 from ..events import logger
 from ..exceptions import ConfigurationError, DuplicateTaskError, StoreUnavailableError
 from ..policy import OnDuplicate, Policy, PolicyLike, is_disabled
@@ -284,7 +291,8 @@ class DedupQueue(Queue):
             started = time.perf_counter()
             try:
                 lock, peeked = reserve_and_run(self.connection, identity.key, owner, ttl_ms,
-                                               identity.check, replace, commands, peek)
+                                               identity.check, replace, commands, peek,
+                                               window=window_probe(policy, identity.key))
             except StoreUnavailableError as exc:
                 if may_have_run(exc):  # the queue's Redis is unreachable: as a plain enqueue
                     raise

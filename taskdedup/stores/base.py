@@ -13,7 +13,7 @@ from __future__ import annotations
 from enum import IntEnum, StrEnum
 from typing import NamedTuple, Protocol, runtime_checkable
 
-__all__ = ["LockInfo", "LockResult", "LockState", "Outcome", "Store"]
+__all__ = ["LockInfo", "LockResult", "LockState", "Outcome", "Remembered", "Store"]
 
 
 class Outcome(IntEnum):
@@ -51,6 +51,20 @@ class LockResult(NamedTuple):
     outcome: Outcome
     owner: str | None = None
     state: LockState | None = None
+
+
+class Remembered(NamedTuple):
+    """Result of ``remember`` (success under an approximate window, SPEC §12).
+
+    ``outcome`` as :meth:`Store.complete`; when OK and the identity went into the filter,
+    ``added`` is how many identities the current slice (of this identity's partition) holds
+    now, ``created`` whether this call started that slice, ``slice_index`` its time index.
+    """
+
+    outcome: Outcome
+    added: int = 0
+    created: bool = False
+    slice_index: int = 0
 
 
 class LockInfo(NamedTuple):
@@ -128,3 +142,9 @@ class Store(Protocol):
     def get(self, key: str) -> LockInfo | None:
         """Read one lock, or None when absent."""
         ...
+
+    # Approximate windows (SPEC §12), in RedisStore and MemoryStore beyond this protocol:
+    # ``reserve``/``replace``/``claim`` take ``window=`` (a ``taskdedup.approximate.Probe``):
+    # an absent lock whose identity a live slice remembers is then DUPLICATE with state DONE
+    # and no owner; ``remember(key, owner, probe) -> Remembered`` is ``complete`` that deletes
+    # the owner's RUNNING lock and adds the identity to the current slice instead.

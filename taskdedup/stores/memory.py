@@ -16,8 +16,13 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from .base import LockInfo, LockResult, LockState, Outcome
+from .base import LockInfo, LockResult, LockState, Outcome, Remembered
+
+if TYPE_CHECKING:
+    from ..approximate import Probe
 
 __all__ = ["MemoryStore", "format_value", "parse_value"]
 
@@ -76,6 +81,14 @@ def check_check(check: str) -> None:
         raise ValueError(f"check must be '' or a 32-character lowercase hex digest, got {check!r}")
 
 
+@dataclass(slots=True)
+class _Slice:
+    bits: bytearray
+    expires: float
+    added: int
+    origin: int
+
+
 class MemoryStore:
     """An in-process :class:`~taskdedup.stores.Store`, thread-safe, with an injectable clock.
 
@@ -96,6 +109,8 @@ class MemoryStore:
         self._lock = threading.Lock()
         # key -> (raw value, absolute expiry in clock seconds, math.inf for none)
         self._data: dict[str, tuple[str, float]] = {}
+        # approximate windows: slice key -> its bitmap and tail
+        self._slices: dict[str, _Slice] = {}
 
     def __repr__(self) -> str:
         return f"<MemoryStore {len(self._data)} keys>"
@@ -112,13 +127,37 @@ class MemoryStore:
     def _write(self, key: str, state: LockState, check: str, owner: str, expires: float) -> None:
         self._data[key] = (format_value(state, check, owner), expires)
 
+    def _slice(self, key: str, now: float) -> _Slice | None:
+        entry = self._slices.get(key)
+        if entry is not None and entry.expires <= now:
+            del self._slices[key]
+            return None
+        return entry
+
+    def _seen(self, window: Probe | None, now: float) -> bool:
+        """Whether a live slice of ``window`` holds every bit of the identity (``seen`` in
+        ``_lib.lua``)."""
+        if window is None:
+            return False
+        positions = [int(p) for p in window.positions.split(",")]
+        for slice_key in window.keys(int(now * 1000)):
+            entry = self._slice(slice_key, now)
+            if entry is None:
+                continue
+            bitmap = entry.bits
+            if all(bitmap[p >> 3] & (0x80 >> (p & 7)) for p in positions):
+                return True
+        return False
+
     def _reserve(
         self, key: str, owner: str, ttl_ms: int, check: str, now: float, replace: bool,
-        fresh: bool = False,
+        fresh: bool = False, window: Probe | None = None,
     ) -> LockResult:
         entry = self._read(key, now)
         expires = now + ttl_ms / 1000
         if entry is None:
+            if self._seen(window, now):
+                return LockResult(Outcome.DUPLICATE, None, LockState.DONE)
             self._write(key, LockState.QUEUED, check, owner, expires)
             return LockResult(Outcome.ACQUIRED)
         parsed = parse_value(entry[0])
@@ -152,29 +191,33 @@ class MemoryStore:
     # -- the Store protocol -----------------------------------------------------------------
 
     def reserve(
-        self, key: str, owner: str, ttl_ms: int, check: str = "", *, fresh: bool = False
+        self, key: str, owner: str, ttl_ms: int, check: str = "", *, fresh: bool = False,
+        window: Probe | None = None,
     ) -> LockResult:
-        """See :meth:`taskdedup.stores.Store.reserve`."""
+        """See :meth:`taskdedup.stores.Store.reserve` (``window``: as RedisStore's)."""
         check_owner(owner)
         check_ms("ttl_ms", ttl_ms)
         check_check(check)
         with self._lock:
             return self._reserve(key, owner, ttl_ms, check, self._clock(), replace=False,
-                                 fresh=fresh)
+                                 fresh=fresh, window=window)
 
     def replace(
-        self, key: str, owner: str, ttl_ms: int, check: str = "", *, fresh: bool = False
+        self, key: str, owner: str, ttl_ms: int, check: str = "", *, fresh: bool = False,
+        window: Probe | None = None,
     ) -> LockResult:
-        """See :meth:`taskdedup.stores.Store.replace`."""
+        """See :meth:`taskdedup.stores.Store.replace` (``window``: as RedisStore's)."""
         check_owner(owner)
         check_ms("ttl_ms", ttl_ms)
         check_check(check)
         with self._lock:
             return self._reserve(key, owner, ttl_ms, check, self._clock(), replace=True,
-                                 fresh=fresh)
+                                 fresh=fresh, window=window)
 
-    def claim(self, key: str, owner: str, lease_ms: int) -> LockResult:
-        """See :meth:`taskdedup.stores.Store.claim`."""
+    def claim(
+        self, key: str, owner: str, lease_ms: int, *, window: Probe | None = None
+    ) -> LockResult:
+        """See :meth:`taskdedup.stores.Store.claim` (``window``: as RedisStore's)."""
         check_owner(owner)
         check_ms("lease_ms", lease_ms)
         with self._lock:
@@ -182,6 +225,8 @@ class MemoryStore:
             entry = self._read(key, now)
             expires = now + lease_ms / 1000
             if entry is None:
+                if self._seen(window, now):
+                    return LockResult(Outcome.DUPLICATE, None, LockState.DONE)
                 self._write(key, LockState.RUNNING, "", owner, expires)
                 return LockResult(Outcome.ACQUIRED)
             parsed = parse_value(entry[0])
@@ -223,6 +268,52 @@ class MemoryStore:
             else:
                 del self._data[key]
             return Outcome.OK
+
+    def remember(self, key: str, owner: str, window: Probe) -> Remembered:
+        """See :meth:`taskdedup.stores.RedisStore.remember` (``complete.lua``)."""
+        check_owner(owner)
+        with self._lock:
+            now = self._clock()
+            owned = self._owned(key, owner, now)
+            if owned is None:
+                return Remembered(Outcome.NOT_OWNER)
+            if owned[0][0] is not LockState.RUNNING:
+                return Remembered(Outcome.OK)
+            del self._data[key]
+            now_ms = int(now * 1000)
+            index = window.index(now_ms)
+            keys = window.keys(now_ms)
+            entry = self._slice(keys[0], now)
+            created = entry is None
+            if entry is None:
+                origin = index
+                for older in keys[1:]:
+                    previous = self._slice(older, now)
+                    if previous is not None:
+                        origin = previous.origin
+                        break
+                entry = _Slice(bytearray(window.window.bits // 8),
+                               window.expire_at_ms(index) / 1000, 0, origin)
+                self._slices[keys[0]] = entry
+            bitmap = entry.bits
+            new = False
+            for p in map(int, window.positions.split(",")):
+                mask = 0x80 >> (p & 7)
+                if not bitmap[p >> 3] & mask:
+                    bitmap[p >> 3] |= mask
+                    new = True
+            if new:
+                entry.added += 1
+            return Remembered(Outcome.OK, entry.added, created, index)
+
+    def slices(self) -> dict[str, tuple[bytes, int, int]]:
+        """The live slice bitmaps: key -> (bits, identities added, first index counted), for
+        tests and stats (the Redis layout without its tail)."""
+        with self._lock:
+            now = self._clock()
+            live = {key: self._slice(key, now) for key in list(self._slices)}
+        return {key: (bytes(e.bits), e.added, e.origin) for key, e in live.items()
+                if e is not None}
 
     def release(self, key: str, owner: str, *, only_queued: bool = False) -> Outcome:
         """See :meth:`taskdedup.stores.Store.release`."""

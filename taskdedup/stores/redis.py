@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import time
 from collections.abc import Callable, Iterator, Sequence
 from importlib.resources import files
 from types import TracebackType
@@ -40,10 +41,11 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from ..approximate import Probe
 from ..exceptions import ConfigurationError, StoreUnavailableError
 from . import server
 from ._compat import NEVER_DECODE, raw_exchange
-from .base import LockInfo, LockResult, LockState, Outcome
+from .base import LockInfo, LockResult, LockState, Outcome, Remembered
 from .memory import check_check, check_ms, check_owner, parse_value
 
 __all__ = ["RedisStore"]
@@ -114,8 +116,23 @@ def _text(value: bytes | str) -> str:
 def _result(reply: Any) -> LockResult:
     code, state, owner = reply
     if owner is None:
-        return _BARE[code]
+        if state is None:
+            return _BARE[code]
+        # an approximate window's filter remembers the identity: done, by an unknown id
+        return LockResult(_OUTCOMES[code], None, _STATES[state])
     return LockResult(_OUTCOMES[code], _text(owner), _STATES[state])
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def window_keys(key: str, window: Probe | None) -> tuple[list[str], list[str]]:
+    """KEYS and the extra ARGV of a gate or claim on ``key`` under ``window`` (if any): the
+    lock, then the live slices (current first); the identity's bit positions."""
+    if window is None:
+        return [key], []
+    return [key, *window.keys(_now_ms())], [window.positions]
 
 
 def redact_url(url: str) -> str:
@@ -286,33 +303,75 @@ class RedisStore:
         except RedisError as exc:
             raise self._unavailable(f"{action} {key!r}", exc) from exc
 
+    def _eval_keys(self, script: Script, action: str, keys: list[str], *args: str | int) -> Any:
+        """:meth:`_eval` with several keys (an approximate window's lock and its slices, all
+        of one hash tag: one slot)."""
+        if len(keys) == 1:
+            return self._eval(script, action, keys[0], *args)
+        client = self.client
+        try:
+            try:
+                return client.execute_command(  # type: ignore[no-untyped-call]
+                    "EVALSHA", script.sha, len(keys), *keys, *args, **_RAW
+                )
+            except NoScriptError:
+                return client.execute_command(  # type: ignore[no-untyped-call]
+                    "EVAL", script.script, len(keys), *keys, *args, **_RAW
+                )
+        except RedisError as exc:
+            raise self._unavailable(f"{action} {keys[0]!r}", exc) from exc
+
     # -- the Store protocol -----------------------------------------------------------------
 
     def reserve(
-        self, key: str, owner: str, ttl_ms: int, check: str = "", *, fresh: bool = False
+        self, key: str, owner: str, ttl_ms: int, check: str = "", *, fresh: bool = False,
+        window: Probe | None = None,
     ) -> LockResult:
-        """See :meth:`taskdedup.stores.Store.reserve`."""
+        """See :meth:`taskdedup.stores.Store.reserve`; ``window``: an approximate window's
+        probe of this identity (its live slices are checked in the same script)."""
         check_owner(owner)
         check_ms("ttl_ms", ttl_ms)
         check_check(check)
-        return _result(self._eval(self._reserve, "reserve", key, owner, ttl_ms, check,
-                                  "1" if fresh else "0"))
+        keys, extra = window_keys(key, window)
+        return _result(self._eval_keys(self._reserve, "reserve", keys, owner, ttl_ms, check,
+                                       "1" if fresh else "0", *extra))
 
     def replace(
-        self, key: str, owner: str, ttl_ms: int, check: str = "", *, fresh: bool = False
+        self, key: str, owner: str, ttl_ms: int, check: str = "", *, fresh: bool = False,
+        window: Probe | None = None,
     ) -> LockResult:
-        """See :meth:`taskdedup.stores.Store.replace`."""
+        """See :meth:`taskdedup.stores.Store.replace` (``window`` as in :meth:`reserve`)."""
         check_owner(owner)
         check_ms("ttl_ms", ttl_ms)
         check_check(check)
-        return _result(self._eval(self._replace, "replace", key, owner, ttl_ms, check,
-                                  "1" if fresh else "0"))
+        keys, extra = window_keys(key, window)
+        return _result(self._eval_keys(self._replace, "replace", keys, owner, ttl_ms, check,
+                                       "1" if fresh else "0", *extra))
 
-    def claim(self, key: str, owner: str, lease_ms: int) -> LockResult:
-        """See :meth:`taskdedup.stores.Store.claim`."""
+    def claim(
+        self, key: str, owner: str, lease_ms: int, *, window: Probe | None = None
+    ) -> LockResult:
+        """See :meth:`taskdedup.stores.Store.claim` (``window`` as in :meth:`reserve`)."""
         check_owner(owner)
         check_ms("lease_ms", lease_ms)
-        return _result(self._eval(self._claim, "claim", key, owner, lease_ms))
+        keys, extra = window_keys(key, window)
+        return _result(self._eval_keys(self._claim, "claim", keys, owner, lease_ms, *extra))
+
+    def remember(self, key: str, owner: str, window: Probe) -> Remembered:
+        """Success under an approximate window: the owner's RUNNING lock is deleted and the
+        identity added to the current slice, in one script (``complete.lua``)."""
+        check_owner(owner)
+        now_ms = _now_ms()
+        index = window.index(now_ms)
+        approx = window.window
+        reply = self._eval_keys(
+            self._complete, "complete", [key, *window.keys(now_ms)], owner, 0,
+            window.positions, index, window.expire_at_ms(index), approx.bits, approx.hashes,
+            approx.slices,
+        )
+        if isinstance(reply, list):
+            return Remembered(_OUTCOMES[reply[0]], int(reply[1]), bool(reply[2]), index)
+        return Remembered(_OUTCOMES[reply])
 
     def heartbeat(self, key: str, owner: str, lease_ms: int) -> Outcome:
         """See :meth:`taskdedup.stores.Store.heartbeat`."""
@@ -502,7 +561,7 @@ _RESENT = "="  # enqueue.lua's ARGV[5] for a call sent again
 def reserve_and_run(
     client: redis.Redis, key: str, owner: str, ttl_ms: int, check: str, replace: bool,
     commands: Sequence[Sequence[Any]], peek: str = "", *, resent: bool = False,
-    fresh: bool = False,
+    fresh: bool = False, window: Probe | None = None,
 ) -> tuple[LockResult, list[Any] | None]:
     """Reserve ``key`` (or replace, as :meth:`RedisStore.replace`) and, when the gate lets the
     call through, run ``commands`` (the broker's own enqueue: a push, a job write) —
@@ -518,7 +577,8 @@ def reserve_and_run(
     owner means the first script ran: it is accepted and ``commands`` do not run a second time.
     With ``fresh`` (a new call, not a retry or a republish of the owner's message, reusing an
     explicit id), the owner's own lock in any state is a duplicate of itself, as in
-    :meth:`RedisStore.reserve`.
+    :meth:`RedisStore.reserve`. With ``window`` (an approximate window's probe), the live
+    slices are checked in the same script, as in :meth:`RedisStore.reserve`.
 
     Raises:
         StoreUnavailableError: the script could not run, or one of ``commands`` failed (then
@@ -532,7 +592,9 @@ def reserve_and_run(
             raise ValueError("reserve_and_run: peek and resent exclude each other")
         peek = _RESENT
     flags = ("1" if replace else "0") + ("1" if fresh else "0")
-    args: list[Any] = [1, key, owner, ttl_ms, check, flags, peek]
+    keys, extra = window_keys(key, window)
+    args: list[Any] = [len(keys), *keys, owner, ttl_ms, check, flags, peek,
+                       extra[0] if extra else ""]
     for command in commands:
         args.append(len(command))
         args.extend(command)

@@ -24,19 +24,51 @@ local function parse(v)
   return state, check, owner
 end
 
--- gate(key, owner, ttl_ms, check, replace, fresh[, value])
+-- seen(positions): whether an approximate window (SPEC §12) remembers the identity: every
+-- bit of positions ("p1,p2,...", from the identity's digest) is set in one of the live slice
+-- bitmaps KEYS[2..] (current first; a missing slice reads as zeros). false when no window.
+local function seen(positions)
+  if positions == nil or positions == '' or #KEYS < 2 then
+    return false
+  end
+  local bits = {}
+  for p in string.gmatch(positions, '%d+') do
+    bits[#bits + 1] = p
+  end
+  for i = 2, #KEYS do
+    local hit = true
+    for j = 1, #bits do
+      if redis.call('GETBIT', KEYS[i], bits[j]) == 0 then
+        hit = false
+        break
+      end
+    end
+    if hit then
+      return true
+    end
+  end
+  return false
+end
+
+-- gate(key, owner, ttl_ms, check, replace, fresh[, value[, positions]])
 --   -> {code, state or false, owner or false}
--- (value: the key's value when the caller has read it already; false when absent)
+-- (value: the key's value when the caller has read it already; false when absent;
+-- positions: the identity's bits under an approximate window, its live slices in KEYS[2..]:
+-- an absent lock whose identity a live slice remembers is DUPLICATE {2, 'D', false}, done
+-- by an owner the filter does not know)
 -- The enqueue gate shared by reserve.lua, replace.lua and enqueue.lua (their headers give the
 -- codes): absent -> Q(owner); the owner's own Q/R -> Q, expiry never shortened (a retry or a
 -- republish of that message), unless the call is fresh (a new call reusing an explicit id:
 -- a duplicate of itself); done by the owner -> DUPLICATE; another owner -> MISMATCH (checks
 -- differ), REPLACED (replace and Q) or DUPLICATE.
-local function gate(key, owner, ttl_ms, check, replace, fresh, value)
+local function gate(key, owner, ttl_ms, check, replace, fresh, value, positions)
   if value == nil then
     value = read(key)
   end
   if not value then
+    if seen(positions) then
+      return {2, 'D', false}
+    end
     redis.call('SET', key, 'Q|' .. check .. '|' .. owner, 'PX', ttl_ms)
     return {1, false, false}
   end

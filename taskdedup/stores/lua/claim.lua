@@ -3,6 +3,8 @@
 -- KEYS[1]  the lock key of one task identity (the only key touched: Cluster-safe)
 -- ARGV[1]  owner     the worker's task id (compared as an exact string)
 -- ARGV[2]  lease_ms  lease of the running lock in milliseconds (> 0), renewed by heartbeat
+-- ARGV[3]  approximate window only: the identity's bit positions; KEYS[2..] its live slices
+--          (same hash tag as KEYS[1]: one slot)
 --
 -- Value: "<state>|<check>|<owner>", state one of Q (queued), R (running), D (done).
 --
@@ -11,13 +13,17 @@
 --                check; or owner's own Q/R -> R (check kept); PX lease_ms either way
 --   2 DUPLICATE  done by this owner (a redelivery after success), held by another owner in
 --                any state, or a value not written by taskdedup (state and owner false);
---                the state and owner found are returned
+--                the state and owner found are returned; under an approximate window also
+--                an absent lock whose identity a live slice remembers ('D', owner false)
 
 local key = KEYS[1]
 local owner, lease_ms = ARGV[1], ARGV[2]
 
 local value = read(key)
 if not value then
+  if seen(ARGV[3]) then
+    return {2, 'D', false}
+  end
   redis.call('SET', key, 'R||' .. owner, 'PX', lease_ms)
   return {1, false, false}
 end

@@ -17,7 +17,9 @@
 --                   error): a queued lock of this very owner means the first script ran,
 --                   so the call is accepted and runs no command again (a retry published
 --                   by the worker finds its lock running, R, and pushes)
--- ARGV[6…] the enqueue commands, each as its argument count then its arguments, run in order
+-- ARGV[6]  "" or, under an approximate window (SPEC §12), the identity's bit positions; its
+--          live slice bitmaps are then KEYS[2..] (a remembered identity: 2 DUPLICATE, 'D')
+-- ARGV[7…] the enqueue commands, each as its argument count then its arguments, run in order
 --          only when the gate lets the call through
 --
 -- The commands name keys of the broker (its queue, the job hash) that are not in KEYS: the
@@ -48,10 +50,10 @@ if ARGV[5] ~= '' then
   end
 end
 local result = gate(KEYS[1], ARGV[1], ARGV[2], ARGV[3], string.sub(ARGV[4], 1, 1) == '1',
-                    string.sub(ARGV[4], 2, 2) == '1', value)
+                    string.sub(ARGV[4], 2, 2) == '1', value, ARGV[6])
 local code = result[1]
 if code == 1 or code == 6 then
-  local i = 6
+  local i = 7
   while i <= #ARGV do
     local n = tonumber(ARGV[i])
     local reply = redis.pcall(unpack(ARGV, i + 1, i + n))

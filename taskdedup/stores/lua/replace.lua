@@ -6,6 +6,8 @@
 -- ARGV[3]  check   "" or the 32-hex digest of the arguments (explicit idempotency keys)
 -- ARGV[4]  "1" for a fresh call (not a retry or republish of the owner's message), else
 --          "0" or absent
+-- ARGV[5]  approximate window only: the identity's bit positions; KEYS[2..] its live slices
+--          (an absent lock remembered by a slice: 2 DUPLICATE, state 'D', owner false)
 --
 -- Value: "<state>|<check>|<owner>", state one of Q (queued), R (running), D (done).
 --
@@ -19,4 +21,4 @@
 --                taskdedup (state and owner false)
 --   3 MISMATCH   held by another owner with a different non-empty check (nothing written)
 
-return gate(KEYS[1], ARGV[1], ARGV[2], ARGV[3], true, ARGV[4] == '1')
+return gate(KEYS[1], ARGV[1], ARGV[2], ARGV[3], true, ARGV[4] == '1', nil, ARGV[5])
