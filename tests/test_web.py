@@ -4,8 +4,10 @@ time series, mounting inside another app, and every way a clear is refused."""
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -280,3 +282,23 @@ def test_the_web_command_is_listed_and_needs_a_url() -> None:
     short = runner.invoke(main, ["--url", "redis://127.0.0.1:1/0", "web", "--allow-clear",
                                  "--token", "short"])
     assert short.exit_code == 1 and "at least 16" in short.output
+
+
+def test_the_mount_example_of_the_dashboard_page_runs(
+    monkeypatch: pytest.MonkeyPatch, redis_url: str, dedup: Deduplicator,
+) -> None:
+    page = (Path(__file__).resolve().parent.parent / "docs" / "how-to" / "web-dashboard.md")
+    blocks = re.findall(r"```python\n(# mount\.py\n.*?)```", page.read_text(), re.DOTALL)
+    assert len(blocks) == 1
+    key = take(dedup, "app.charge", 1, "task-1")
+    monkeypatch.setenv("TASKDEDUP_URL", redis_url)
+    namespace: dict[str, Any] = {}
+    exec(compile(blocks[0], "mount.py", "exec"), namespace)
+    try:
+        web = TestClient(namespace["app"])
+        locks = web.get("/ops/taskdedup/locks")
+        assert locks.status_code == 200 and key in locks.text
+        assert web.post("/ops/taskdedup/clear", data={"key": key, "owner": "task-1"},
+                        headers={TOKEN_HEADER: TOKEN}).status_code == 403
+    finally:
+        namespace["dashboard"].state.dashboard.history.stop()
