@@ -132,6 +132,7 @@ def test_locks_are_paged_with_scan_and_a_cursor_never_keys(
     assert pages > 1
     html = web.get("/locks", params={"state": "queued"}).text
     assert "next page" in html or "end of the scan" in html
+    assert web.get("/").status_code == 200  # the overview scans too
     assert "SCAN" in client.commands
     assert "KEYS" not in client.commands
 
