@@ -102,6 +102,8 @@ SUBSET = [
     "tests/test_rq.py",
     "tests/test_rq_compat.py",
     "tests/test_rq_faults.py",
+    "tests/test_approximate.py",
+    "tests/test_approximate_workers.py",
     "tests/test_faults_network.py",
     "tests/test_faults_kill.py",
     "tests/test_sql_workers.py",
