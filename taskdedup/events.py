@@ -16,7 +16,6 @@ from enum import StrEnum
 __all__ = ["Counters", "DedupEvent", "Event", "Events", "Listener", "logger"]
 
 logger = logging.getLogger("taskdedup")
-logger.addHandler(logging.NullHandler())  # a library: the application decides where logs go
 
 
 class Event(StrEnum):
