@@ -40,7 +40,7 @@ from rich.text import Text
 from .core import DEFAULT_PREFIX, Deduplicator
 from .exceptions import ConfigurationError
 from .policy import Policy
-from .stats import TaskStats, read_stats, stats_key
+from .stats import TaskStats, WindowStats, read_stats, read_windows, stats_key
 from .stores.memory import MemoryStore, parse_value
 from .stores.redis import RedisStore, redact_url
 
@@ -731,6 +731,19 @@ def _stats_table(stats: dict[str, TaskStats], where: str) -> Table:
     return table
 
 
+def _windows_table(windows: dict[str, WindowStats], where: str) -> Table:
+    table = Table(title=f"taskdedup approximate windows at {where}", title_justify="left")
+    for name in ("task", "identities", "fill", "fill max", "est. false positives",
+                 "live slices", "slices dropped"):
+        table.add_column(name, justify="left" if name == "task" else "right")
+    for item in windows.values():
+        table.add_row(
+            _cell(item.task), f"{item.identities:,}", f"{item.fill:.1%}", f"{item.fill_max:.1%}",
+            f"{item.false_positive_rate:.3%}", str(item.slices), str(item.slices_dropped),
+        )
+    return table
+
+
 @main.command("stats")
 @click.option("--task", help="Only this task.")
 @click.option("--watch", type=click.FloatRange(min=0.1), is_flag=False, flag_value=2.0,
@@ -745,24 +758,39 @@ def stats_command(env: _Env, task: str | None, watch: float | None, as_json: boo
     (accepted + duplicates), skipped executions, locks released on failure, lost leases,
     store errors and the mean gate latency. Counts are those flushed to Redis by producers
     and workers (every few seconds). With --json --watch, one JSON object per line.
+
+    Tasks with an approximate window (taskdedup.Approximate) also show, read from their live
+    slices: identities remembered, fill ratio, estimated false-positive rate, live slices and
+    slices dropped (in --json, under the task's "window").
     """
     client = env.client()
+
+    def windows() -> dict[str, WindowStats]:
+        with _redis_errors(env):
+            return read_windows(client, env.prefix, task)
 
     def read() -> dict[str, TaskStats]:
         with _redis_errors(env):
             return read_stats(client, env.prefix, task)
 
     def as_data(stats: dict[str, TaskStats]) -> dict[str, Any]:
-        return {name: item.as_dict() for name, item in stats.items()}
+        data: dict[str, Any] = {name: item.as_dict() for name, item in stats.items()}
+        for name, window in windows().items():
+            data.setdefault(name, {})["window"] = window.as_dict()
+        return data
 
     if watch is None:
         stats = read()
         if as_json:
             _echo_json(as_data(stats))
-        elif not stats:
+            return
+        found = windows()
+        if not stats and not found:
             click.echo(_no_stats(env.prefix, task))
-        else:
+        if stats:
             _console().print(_stats_table(stats, env.where))
+        if found:
+            _console().print(_windows_table(found, env.where))
         return
     try:
         if as_json:

@@ -7,6 +7,11 @@
   ``claimed``, ``skipped``, ``completed``, ``released``, ``lease_lost``, ``store_error``);
 * ``taskdedup_gate_seconds{task}`` — a histogram of the enqueue gate's store call.
 
+and, for approximate windows (SPEC §12), :func:`attach_windows` registers a collector that
+reads the live slices at scrape time (never on the hot path): per task
+``taskdedup_window_fill_ratio``, ``taskdedup_window_false_positive_rate`` (estimated),
+``taskdedup_window_identities`` (remembered) and ``taskdedup_window_slices_dropped``.
+
 Labels are the task name and the event only, never an argument, a key or a task id, so the
 cardinality stays at (tasks x events). ``prometheus_client`` is imported when a listener is
 built, not when taskdedup is imported. Serving the metrics (``start_http_server``, and the
@@ -33,7 +38,10 @@ from .events import DedupEvent
 if TYPE_CHECKING:
     from .core import Deduplicator
 
-__all__ = ["GATE_BUCKETS", "INSTALL_HINT", "PrometheusListener", "attach"]
+__all__ = [
+    "GATE_BUCKETS", "INSTALL_HINT", "PrometheusListener", "WindowCollector", "attach",
+    "attach_windows",
+]
 
 INSTALL_HINT: Final = "pip install 'taskdedup[prometheus]'"
 
@@ -128,3 +136,66 @@ def attach(dedup: Deduplicator, registry: Any = None) -> PrometheusListener:
         dedup.events.add(listener)
         _ATTACHED[dedup] = listener
     return listener
+
+
+class WindowCollector:
+    """A Prometheus collector of the approximate windows' quality signals, read from Redis
+    when scraped (:func:`taskdedup.stats.read_windows`: SCAN and one read script per slice
+    key, pipelined), so nothing is added to the hot path. A scrape that cannot reach Redis
+    yields nothing (and is logged at WARNING) rather than failing the whole scrape.
+
+    Args:
+        client: a ``redis.Redis`` (or ``RedisCluster``) client on the lock store.
+        prefix: the key prefix (``taskdedup`` unless configured).
+    """
+
+    def __init__(self, client: Any, prefix: str = "taskdedup") -> None:
+        self.client = client
+        self.prefix = prefix
+
+    def collect(self) -> Any:
+        from .events import logger
+        from .stats import read_windows
+
+        core = importlib.import_module("prometheus_client.core")
+        try:
+            windows = read_windows(self.client, self.prefix)
+        except Exception as exc:
+            logger.warning("taskdedup: could not read the approximate windows: %s", exc)
+            return
+        families = {
+            "fill": core.GaugeMetricFamily(
+                "taskdedup_window_fill_ratio",
+                "Mean share of set bits in the live slices of a task's approximate window.",
+                labels=["task"]),
+            "fpr": core.GaugeMetricFamily(
+                "taskdedup_window_false_positive_rate",
+                "Estimated chance that a new call is taken for a duplicate, from the fill.",
+                labels=["task"]),
+            "identities": core.GaugeMetricFamily(
+                "taskdedup_window_identities",
+                "Identities the live slices of a task's approximate window remember.",
+                labels=["task"]),
+            "dropped": core.GaugeMetricFamily(
+                "taskdedup_window_slices_dropped",
+                "Slice periods rotated out of a task's approximate window (expired).",
+                labels=["task"]),
+        }
+        for name, window in windows.items():
+            families["fill"].add_metric([name], window.fill)
+            families["fpr"].add_metric([name], window.false_positive_rate)
+            families["identities"].add_metric([name], window.identities)
+            families["dropped"].add_metric([name], window.slices_dropped)
+        yield from families.values()
+
+
+def attach_windows(client: Any, prefix: str = "taskdedup", registry: Any = None) -> WindowCollector:
+    """Export the approximate windows' quality signals of ``client``'s Redis to Prometheus.
+
+    Raises:
+        ImportError: ``prometheus_client`` is not installed (the message says what to run).
+    """
+    prometheus = _prometheus()
+    collector = WindowCollector(client, prefix)
+    (prometheus.REGISTRY if registry is None else registry).register(collector)
+    return collector

@@ -523,3 +523,119 @@ def read_stats(
     if batch:
         read(batch)
     return dict(sorted(out.items()))
+
+
+# -- approximate windows (SPEC §12) -------------------------------------------------------------
+
+# One slice key: its length, the set bits of its m-bit filter and its tail (identities added,
+# k, slices, the first index counted) and PTTL; read-only, one key (Cluster-safe).
+_WINDOW_READ: Final = """
+local n = redis.call('STRLEN', KEYS[1])
+if n < 15 then return false end
+local m = (n - 14) * 8
+local tail = redis.call('BITFIELD', KEYS[1], 'GET', 'u32', m, 'GET', 'u8', m + 32,
+                        'GET', 'u8', m + 40, 'GET', 'i64', m + 48)
+return {m, redis.call('BITCOUNT', KEYS[1], 0, n - 15), tail[1], tail[2], tail[3], tail[4],
+        redis.call('PTTL', KEYS[1])}
+"""
+
+
+@dataclass(frozen=True)
+class WindowStats:
+    """Quality signals of one task's approximate window, read from its live slices.
+
+    ``fill`` is the mean share of set bits over the live slice keys (``fill_max`` the
+    fullest); ``false_positive_rate`` the estimated chance that a new identity is taken for
+    a duplicate now (per partition ``1 - prod(1 - fill ** k)`` over its live slices, averaged
+    over partitions); ``identities`` the identities the live slices hold (their counters);
+    ``slices_dropped`` the slice periods rotated out of the window since the oldest slice
+    still counted (per partition, the most).
+    """
+
+    task: str
+    keys: int
+    slices: int
+    partitions: int
+    hashes: int
+    bits: int
+    fill: float
+    fill_max: float
+    false_positive_rate: float
+    identities: int
+    slices_dropped: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "keys": self.keys, "live_slices": self.slices, "partitions": self.partitions,
+            "hashes": self.hashes, "bits_per_key": self.bits, "fill_ratio": self.fill,
+            "fill_ratio_max": self.fill_max,
+            "estimated_false_positive_rate": self.false_positive_rate,
+            "identities": self.identities, "slices_dropped": self.slices_dropped,
+        }
+
+
+def _window_task(prefix: str, key: str) -> tuple[str, int, int] | None:
+    """``(task, partition, slice index)`` of slice key ``{prefix}:bloom:{task.p}:index``."""
+    head = f"{prefix}:bloom:{{"
+    if not key.startswith(head):
+        return None
+    tag, sep, index = key[len(head):].rpartition("}:")
+    task, dot, partition = tag.rpartition(".")
+    if not sep or not dot or not partition.isdigit() or not index.lstrip("-").isdigit():
+        return None
+    return task, int(partition), int(index)
+
+
+def read_windows(
+    client: Any, prefix: str = "taskdedup", task: str | None = None
+) -> dict[str, WindowStats]:
+    """The approximate windows' quality signals per task (``scope:task`` when scoped), from
+    their slice keys found with SCAN (never KEYS) and read by a script per key, pipelined.
+
+    Raises:
+        redis.RedisError: Redis could not be reached or refused a command.
+    """
+    pattern = f"{_glob_escape(prefix)}:bloom:{{"
+    pattern += (_glob_escape(task) + ".*") if task is not None else "*"
+    keys = [_text(k) for k in client.scan_iter(match=pattern, count=1000)]
+    slices: dict[str, list[tuple[int, int, list[int]]]] = {}
+    for start in range(0, len(keys), _READ_BATCH):
+        batch = keys[start : start + _READ_BATCH]
+        pipe = client.pipeline(transaction=False)
+        for key in batch:
+            pipe.eval(_WINDOW_READ, 1, key)
+        for key, reply in zip(batch, pipe.execute(raise_on_error=False), strict=True):
+            parsed = _window_task(prefix, key)
+            if isinstance(reply, Exception):
+                if str(reply).startswith("WRONGTYPE"):
+                    continue
+                raise reply
+            if parsed is None or not reply:
+                continue
+            name, partition, index = parsed
+            slices.setdefault(name, []).append((partition, index, [int(x) for x in reply]))
+    out: dict[str, WindowStats] = {}
+    for name, entries in slices.items():
+        by_partition: dict[int, list[tuple[int, list[int]]]] = {}
+        for partition, index, reply in entries:
+            by_partition.setdefault(partition, []).append((index, reply))
+        fills = [reply[1] / reply[0] for _, _, reply in entries]
+        k = max(reply[3] for _, _, reply in entries) or 1
+        fprs = []
+        dropped = 0
+        for rows in by_partition.values():
+            miss = 1.0
+            for _, reply in rows:
+                miss *= 1 - (reply[1] / reply[0]) ** k
+            fprs.append(1 - miss)
+            newest, newest_reply = max(rows)
+            dropped = max(dropped, newest - newest_reply[4] - newest_reply[5])
+        out[name] = WindowStats(
+            task=name, keys=len(entries),
+            slices=len({index for _, index, _ in entries}),
+            partitions=len(by_partition), hashes=k, bits=max(r[0] for _, _, r in entries),
+            fill=sum(fills) / len(fills), fill_max=max(fills),
+            false_positive_rate=sum(fprs) / len(fprs),
+            identities=sum(reply[2] for _, _, reply in entries), slices_dropped=max(0, dropped),
+        )
+    return dict(sorted(out.items()))
