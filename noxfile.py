@@ -104,6 +104,7 @@ SUBSET = [
     "tests/test_rq_faults.py",
     "tests/test_approximate.py",
     "tests/test_approximate_workers.py",
+    "tests/test_approximate_stats.py",
     "tests/test_faults_network.py",
     "tests/test_faults_kill.py",
     "tests/test_sql_workers.py",
