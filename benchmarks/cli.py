@@ -24,6 +24,7 @@ from .harness import Row, Sizes
 
 SECTIONS = (
     "floor", "identity", "realistic", "celery", "rq", "breakdown", "workers", "bulk", "memory",
+    "approximate",
 )
 
 
@@ -127,6 +128,15 @@ def _run(url: str, sizes: Sizes, sections: list[str], args: argparse.Namespace,
     section("bulk", lambda: micro.bulk(ctx))
     # --quick: Valkey only (the Redis 6.2 path is the same code with another binary)
     section("memory", lambda: memory(ctx, redis62=not (args.no_redis62 or args.quick)))
+
+    def approximate_section() -> list[Row]:
+        from .approximate import approximate
+
+        found, figures = approximate(ctx)
+        extra["approximate"] = figures  # bytes_per_identity, measured_fpr, configured_fpr
+        return found
+
+    section("approximate", approximate_section)
 
     meta["loadavg_end"] = os.getloadavg()
     meta["seconds"] = round(time.perf_counter() - started, 1)

@@ -53,6 +53,8 @@ class Sizes:
     fingerprint: int = 20_000     # fingerprint() calls per run
     profile_calls: int = 1000     # plain and gated enqueues under cProfile
     warmup: bool = True           # untimed warm-up batches before the worker runs
+    approx_capacity: int = 10_000_000  # identities in the approximate window (memory, FPR)
+    approx_checks: int = 100_000  # fresh identities checked for false positives
 
     @classmethod
     def quick(cls) -> Sizes:
@@ -60,6 +62,7 @@ class Sizes:
             runs=1, floor_ops=50, publish=30, enqueue=20, count_ops=5, celery_tasks=20,
             celery_runs=1, rq_fork_jobs=4, rq_simple_jobs=10, rq_runs=1, bulk=500,
             memory_keys=2000, fingerprint=500, profile_calls=20, warmup=False,
+            approx_capacity=20_000, approx_checks=20_000,
         )
 
 

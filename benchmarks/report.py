@@ -78,6 +78,31 @@ def ahead_bar(bar: str, ours: Row | None, theirs: Row | None) -> Bar:
                ours.ratio > theirs.ratio and wins * 2 > len(pairs))
 
 
+def approximate_bars(rows: list[Row]) -> list[Bar]:
+    """SPEC §12's bars from the ``approximate`` section's rows."""
+    out: list[Bar] = []
+    memory_rows = _find_prefix(rows, "approximate", "memory per identity")
+    for row in memory_rows:
+        identities = int(row.extra.get("identities", 0))
+        full = identities >= 9_000_000
+        at = "" if full else f" (only {identities:,} identities: not the bar's N)"
+        out.append(Bar("Approximate window: memory per identity at 10,000,000 identities, "
+                       "error_rate 0.01", "≤ 2 B", f"{row.value:.2f} B{at}",
+                       row.value <= 2.0 if full else None))
+    for row in _find_prefix(rows, "approximate", "false-positive rate"):
+        configured = float(row.extra.get("configured_fpr", 0.01))
+        out.append(Bar("Approximate window: measured false-positive rate at capacity",
+                       f"≤ {1.2 * configured:.4f} (1.2x {configured})",
+                       f"{row.value:.4f} ({row.value / configured:.2f}x)",
+                       row.value <= 1.2 * configured))
+    for row in _find_prefix(rows, "approximate", "approximate window (Bloom) (gated"):
+        if row.ratio is not None:
+            out.append(Bar("Approximate window: gated publish vs the exact tier, same run",
+                           "≥ 0.90x exact", f"{row.ratio:.2f}x{_spread(row)} "
+                           f"({row.value:,.0f} {row.unit})", row.ratio >= 0.9))
+    return out
+
+
 def bars(rows: list[Row], memory_keys: int) -> list[Bar]:
     """Evaluate every performance bar against this run's rows."""
     out: list[Bar] = []
@@ -159,6 +184,7 @@ def bars(rows: list[Row], memory_keys: int) -> list[Bar]:
             out.append(Bar(f"Memory per held key, {row.section}, {row.name}",
                            "≤ 120 B at 1,000,000 keys", f"{row.value:.1f} B{at}",
                            row.value <= 120 if not at else None))
+    out.extend(approximate_bars(rows))
     fp = _find(rows, "identity", "fingerprint, 5 args (int, int, str, str, str), func=")
     if fp is not None:
         out.append(Bar("fingerprint, 5-argument task, one core", "≥ 100,000 calls/s",
