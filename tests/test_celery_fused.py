@@ -378,3 +378,30 @@ def test_a_default_app_worker_retries_through_the_one_round_trip_publish(
         worker.stop()
         client.close()
         app.close()
+
+
+
+def test_with_sent_events_on_a_duplicate_is_checked_before_any_message_is_built(
+    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``task_send_sent_event`` (Flower's ``task-sent``): the gate decides first, so no
+    ``task-sent`` announces a duplicate that is never sent; an accepted call is a reserve,
+    then the push."""
+    app = fused_app(redis_url, task_send_sent_event=True, task_default_queue="fused-sent")
+    task = declare(app, "fused.sent-events")
+    built: list[str] = []
+    send = app.amqp.send_task_message
+
+    def count(producer: Any, name: str, message: Any, **options: Any) -> Any:
+        built.append(str(message.headers.get("id")))
+        return send(producer, name, message, **options)
+
+    monkeypatch.setattr(app.amqp, "send_task_message", count)
+    value = int(uuid.uuid4().int % 10**9)
+    counter = CommandCounter(monkeypatch)
+    first = task.delay(value)
+    assert counter.commands[:1] == ["EVALSHA"] and "LPUSH" in counter.commands
+    counter.commands.clear()
+    assert task.delay(value).id == first.id
+    assert counter.commands == ["EVALSHA"]  # the gate said duplicate: nothing was built
+    assert built == [first.id]

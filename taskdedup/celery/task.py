@@ -451,9 +451,15 @@ def skipped_info(result: Any) -> dict[str, Any] | None:
 def _announces_publishes(app: Celery) -> bool:
     """Whether something watches each publish (``before/after_task_publish`` receivers, the
     ``task-sent`` event Flower shows): then gate first, so a duplicate is never announced as
-    sent. The fused push decides inside the publish, after ``before_task_publish`` fired."""
-    return bool(before_task_publish.receivers or after_task_publish.receivers
-                or app.conf.task_send_sent_event)
+    sent. The fused push decides inside the publish, after ``before_task_publish`` fired.
+    Receivers are looked at per call (a list); the setting is read once per app (a lookup in
+    Celery's settings costs microseconds)."""
+    if before_task_publish.receivers or after_task_publish.receivers:
+        return True
+    sent: bool | None = app.__dict__.get("_taskdedup_sent_event")
+    if sent is None:
+        sent = app.__dict__["_taskdedup_sent_event"] = bool(app.conf.task_send_sent_event)
+    return sent
 
 
 def _reservation_ttl_ms(policy: Policy, options: Mapping[str, Any]) -> int:
