@@ -130,11 +130,16 @@ class Approximate:
         from its first 32 bits, the positions by enhanced double hashing (Dillinger and
         Manolios) of the other 96 — plain double hashing measured ~20% above the rate."""
         partition = int(digest[:8], 16) % self.partitions
-        h1 = int(digest[8:20], 16)
-        h2 = int(digest[20:32], 16)
         m = self.bits
-        return partition, [(h1 + i * h2 + (i * i * i - i) // 6) % m
-                           for i in range(self.hashes)]
+        # position i = h1 + i * h2 + (i^3 - i) / 6 (mod m), by its differences h2 + i(i+1)/2
+        x = int(digest[8:20], 16) % m
+        y = int(digest[20:32], 16) % m
+        out = []
+        for i in range(1, self.hashes + 1):
+            out.append(x)
+            x = (x + y) % m
+            y = (y + i) % m
+        return partition, out
 
     def fpr(self, fill: float) -> float:
         """The false-positive rate of one slice whose bits are ``fill`` set (0..1)."""
@@ -171,7 +176,7 @@ def split_lock_key(key: str) -> tuple[str, str, str] | None:
     return prefix, key[opening + 2 : len(key) - 33], key[-32:]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Probe:
     """What the scripts need to check, or add, one identity under an approximate window."""
 
