@@ -148,7 +148,7 @@ def fill_window(ctx: Context, window: Approximate, now_ms: int) -> dict[str, Any
 def memory_and_fpr(ctx: Context, capacity: int, checks: int) -> tuple[list[Row], dict[str, Any]]:
     client = ctx.client
     window = Approximate(capacity=capacity, error_rate=ERROR_RATE)
-    purge(client, f"taskdedup:bloom:{{{NAME}.*", f"taskdedup:{NAME}:*")
+    purge(client, f"taskdedup:bloom:{NAME}:{{*", f"taskdedup:{NAME}:*")
     now_ms = int(time.time() * 1000)
     filled = fill_window(ctx, window, now_ms)
     keys, identities = filled["keys"], filled["identities"]
@@ -270,5 +270,5 @@ def approximate(ctx: Context) -> tuple[list[Row], dict[str, Any]]:
     rows, figures = memory_and_fpr(ctx, capacity, ctx.sizes.approx_checks)
     publish = publish_ratio(ctx, capacity)
     figures["publish_ratio_vs_exact"] = publish[-1].ratio
-    purge(ctx.client, f"taskdedup:bloom:{{{NAME}.*")
+    purge(ctx.client, f"taskdedup:bloom:{NAME}:{{*")
     return rows + publish, figures

@@ -25,19 +25,22 @@ Sizing (documented in the README):
 
 Keys (``{prefix}:{scope}:{task}`` as for exact locks; the braces are a Cluster hash tag)::
 
-    lock    taskdedup:charge:{charge.7}3fa9...          exact lock while queued / running
-    slice   taskdedup:bloom:{charge.7}:2880123          bitmap of partition 7, slice 2880123
+    lock    taskdedup:charge:{5f1c09e2.7}3fa9...         exact lock while queued / running
+    slice   taskdedup:bloom:charge:{5f1c09e2.7}:2880123  partition 7's bitmap, slice 2880123
 
-The lock of an identity and the slices of its partition share a hash tag, hence a slot: the
-reservation script touches only keys of one slot. Each slice bitmap ends with a tail after its
-``m`` bits: identities added (u32), ``k`` (u8), ``slices`` (u8) and the index of the first
-slice of this partition still counted (i64), read by ``taskdedup stats``.
+The hash tag is a CRC-32 of ``scope:task`` and the partition. The lock of an identity and
+the slices of its partition share it, hence a slot: the reservation script touches only
+keys of one slot, and a task's partitions spread over as many slots. Each slice bitmap ends
+with a tail after its ``m`` bits: identities added (u32), ``k`` (u8), ``slices`` (u8) and the
+index of the first slice of this partition still counted (i64), read by ``taskdedup stats``.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
+import zlib
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -146,8 +149,12 @@ class Approximate:
         return fill ** self.hashes
 
 
-def _tag(scope: str | None, name: str, partition: int) -> str:
-    return f"{scope}:{name}.{partition}" if scope else f"{name}.{partition}"
+@functools.lru_cache(maxsize=1024)
+def _task_tag(scope: str | None, name: str) -> str:
+    """8 hex digits naming the task (and scope) in hash tags: no ``:`` in a tag, so the
+    readable part of a key still splits on ``:`` as for exact locks."""
+    text = f"{scope}:{name}" if scope else f":{name}"
+    return f"{zlib.crc32(text.encode()):08x}"
 
 
 def lock_key(prefix: str, scope: str | None, name: str, digest: str,
@@ -162,18 +169,20 @@ def lock_key(prefix: str, scope: str | None, name: str, digest: str,
             )
     partition = int(digest[:8], 16) % window.partitions
     base = f"{prefix}:{scope}:{name}" if scope else f"{prefix}:{name}"
-    return f"{base}:{{{_tag(scope, name, partition)}}}{digest}"
+    return f"{base}:{{{_task_tag(scope, name)}.{partition}}}{digest}"
 
 
-def split_lock_key(key: str) -> tuple[str, str, str] | None:
-    """``(prefix, tag, digest)`` of an approximate lock key, or None for another key."""
+def split_lock_key(key: str) -> tuple[str, str, str, str] | None:
+    """``(prefix, scope:task or task, tag, digest)`` of an approximate lock key, or None."""
     if len(key) < 36 or key[-33] != "}":
         return None
     opening = key.rfind(":{", 0, len(key) - 33)
     if opening < 0:
         return None
-    prefix = key.split(":", 1)[0]
-    return prefix, key[opening + 2 : len(key) - 33], key[-32:]
+    prefix, sep, task = key[:opening].partition(":")
+    if not sep:
+        return None
+    return prefix, task, key[opening + 2 : len(key) - 33], key[-32:]
 
 
 @dataclass(slots=True)
@@ -182,7 +191,7 @@ class Probe:
 
     window: Approximate
     slice_prefix: str
-    """``{prefix}:bloom:{tag}:``; a slice key is this and its time index."""
+    """``{prefix}:bloom:{scope}:{task}:{tag}:``; a slice key is this and its time index."""
     positions: str
     """The ``k`` bit positions, comma-separated (a script argument)."""
     slice_ms: int
@@ -206,11 +215,11 @@ def probe(key: str, window: Approximate, ttl_ms: int) -> Probe | None:
     parts = split_lock_key(key)
     if parts is None:
         return None
-    prefix, tag, digest = parts
+    prefix, task, tag, digest = parts
     _, positions = window.positions(digest)
     slice_ms = max(1, ttl_ms // window.slices)
-    return Probe(window, f"{prefix}:{_BLOOM}:{{{tag}}}:", ",".join(map(str, positions)),
-                 slice_ms, ttl_ms)
+    return Probe(window, f"{prefix}:{_BLOOM}:{task}:{{{tag}}}:",
+                 ",".join(map(str, positions)), slice_ms, ttl_ms)
 
 
 def slice_pattern(prefix: str) -> str:

@@ -575,15 +575,21 @@ class WindowStats:
 
 
 def _window_task(prefix: str, key: str) -> tuple[str, int, int] | None:
-    """``(task, partition, slice index)`` of slice key ``{prefix}:bloom:{task.p}:index``."""
-    head = f"{prefix}:bloom:{{"
+    """``(task, partition, slice index)`` of slice key
+    ``{prefix}:bloom:[{scope}:]{task}:{{tag}.{partition}}:{index}``."""
+    head = f"{prefix}:bloom:"
     if not key.startswith(head):
         return None
-    tag, sep, index = key[len(head):].rpartition("}:")
-    task, dot, partition = tag.rpartition(".")
-    if not sep or not dot or not partition.isdigit() or not index.lstrip("-").isdigit():
+    rest = key[len(head):]
+    opening = rest.rfind(":{")
+    closing = rest.find("}:", opening)
+    if opening <= 0 or closing < 0:
         return None
-    return task, int(partition), int(index)
+    _, dot, partition = rest[opening + 2 : closing].rpartition(".")
+    index = rest[closing + 2 :]
+    if not dot or not partition.isdigit() or not index.lstrip("-").isdigit():
+        return None
+    return rest[:opening], int(partition), int(index)
 
 
 def read_windows(
@@ -595,8 +601,8 @@ def read_windows(
     Raises:
         redis.RedisError: Redis could not be reached or refused a command.
     """
-    pattern = f"{_glob_escape(prefix)}:bloom:{{"
-    pattern += (_glob_escape(task) + ".*") if task is not None else "*"
+    pattern = f"{_glob_escape(prefix)}:bloom:"
+    pattern += f"*{_glob_escape(task)}:{{*" if task is not None else "*"
     keys = [_text(k) for k in client.scan_iter(match=pattern, count=1000)]
     slices: dict[str, list[tuple[int, int, list[int]]]] = {}
     for start in range(0, len(keys), _READ_BATCH):
@@ -613,6 +619,8 @@ def read_windows(
             if parsed is None or not reply:
                 continue
             name, partition, index = parsed
+            if task is not None and name != task and not name.endswith(":" + task):
+                continue
             slices.setdefault(name, []).append((partition, index, [int(x) for x in reply]))
     out: dict[str, WindowStats] = {}
     for name, entries in slices.items():

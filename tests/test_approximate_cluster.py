@@ -32,7 +32,7 @@ def test_cluster_keeps_each_lock_with_its_slices_and_spreads_a_task_over_slots(
         again = dedup.gate(name, policy, dedup.identity(name, policy, (i,)), "late")
         assert (again.verdict, again.existing_id) == (Verdict.DUPLICATE, None)
     slices = [k.decode() for k in cluster_client.scan_iter(
-        match=f"taskdedup:bloom:{{{name}.*", target_nodes=RedisCluster.ALL_NODES)]
+        match=f"taskdedup:bloom:{name}:{{*", target_nodes=RedisCluster.ALL_NODES)]
     assert len(slices) == 16  # one current slice per partition
     slots = {cluster_client.keyslot(k) for k in slices}
     assert len(slots) == 16
