@@ -52,7 +52,7 @@ def floor(ctx: Context) -> list[Row]:
     queue = "bench-floor-queue"
     owner = str(uuid.uuid4())
     reserve(keys=["bench-floor:warm"], args=[owner, 60_000, ""])
-    combined(keys=["bench-floor:warm2"], args=[owner, 60_000, "", "0", "", 3, "LPUSH", queue,
+    combined(keys=["bench-floor:warm2"], args=[owner, 60_000, "", "0", "", "", 3, "LPUSH", queue,
                                               message])
     prefix = "bench-floor:"
 
@@ -111,7 +111,7 @@ def floor(ctx: Context) -> list[Row]:
         def body(count: int) -> None:
             execute = client.execute_command
             for key in ks:
-                execute("EVALSHA", sha, 1, key, owner, 600_000, "", "0", "", 3, "LPUSH", queue,
+                execute("EVALSHA", sha, 1, key, owner, 600_000, "", "0", "", "", 3, "LPUSH", queue,
                         message)
 
         return rate(body, n)

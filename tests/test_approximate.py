@@ -380,11 +380,11 @@ def test_each_step_under_a_window_is_one_round_trip(
     # the fused push (Celery's transport, RQ's enqueue): filters, lock and push, one script
     key2 = dedup.identity(NAME, POLICY, ("fused",)).key
     probe = approx.probe(key2, POLICY.window, POLICY.ttl_ms)  # type: ignore[arg-type]
+    redis_store.reserve_and_run(redis_client, "taskdedup:warm", "w", 1000, "", False, [])
     counter.commands.clear()
     lock, _ = redis_store.reserve_and_run(redis_client, key2, "f1", 40_000, "", False,
                                           [("LPUSH", "approx-q", "m1")], window=probe)
-    assert lock.outcome is Outcome.ACQUIRED and counter.commands in (["EVALSHA"],
-                                                                       ["EVALSHA", "EVAL"])
+    assert lock.outcome is Outcome.ACQUIRED and counter.commands == ["EVALSHA"]
     assert redis_client.lrange("approx-q", 0, -1) == [b"m1"]
     assert dedup.start(NAME, POLICY, key2, "f1").verdict is Verdict.ACCEPTED
     dedup.finish(NAME, POLICY, key2, "f1", success=True)
