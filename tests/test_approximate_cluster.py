@@ -1,14 +1,27 @@
-"""Approximate windows (SPEC §12) on the 3-master Redis Cluster of ``tests/test_topologies``
-(Valkey; not in the version matrix, as that module): the lock and the slices of its
-partition share a hash tag (one slot), and a task's slices spread over slots and nodes."""
+"""Approximate windows (SPEC §12) on the topologies of ``tests/test_topologies`` (Valkey; not
+in the version matrix, as that module): on the 3-master Redis Cluster the lock and the slices
+of its partition share a hash tag (one slot), and a task's slices spread over slots and nodes;
+an ACL user needs exactly the commands the README lists."""
 
 from __future__ import annotations
 
+import pytest
+import redis
 from redis.cluster import RedisCluster
 
-from taskdedup import Approximate, Deduplicator, Policy, RedisStore
+from taskdedup import (
+    Approximate,
+    Deduplicator,
+    Policy,
+    RedisStore,
+    StoreUnavailableError,
+    approximate,
+)
 from taskdedup.core import Verdict
+from taskdedup.stats import read_windows
 from taskdedup.testing import RedisServer
+from tests.test_topologies import ACL_COMMANDS, acl_store
+from tests.test_topologies import acl_server as acl_server
 from tests.test_topologies import cluster as cluster
 from tests.test_topologies import cluster_client as cluster_client
 
@@ -44,3 +57,53 @@ def test_cluster_keeps_each_lock_with_its_slices_and_spreads_a_task_over_slots(
                    for s in slices)
     fresh = dedup.identity(name, policy, ("fresh",))
     assert dedup.gate(name, policy, fresh, "f").verdict is Verdict.ACCEPTED
+
+
+# -- ACL: the commands the README lists for approximate windows ---------------------------------
+
+WINDOW_COMMANDS = ["+getbit", "+setbit", "+bitfield", "+exists", "+pexpireat"]
+STATS_COMMANDS = ["+bitcount", "+strlen", "+scan"]
+
+
+def _approximate_round(store: RedisStore) -> None:
+    dedup = Deduplicator(store)
+    policy = Policy(ttl=60, window=Approximate(capacity=1000, error_rate=0.01))
+    identity = dedup.identity("tests.acl.approx", policy, (1,))
+    assert dedup.gate("tests.acl.approx", policy, identity, "t1").verdict is Verdict.ACCEPTED
+    assert dedup.start("tests.acl.approx", policy, identity.key, "t1").verdict is Verdict.ACCEPTED
+    dedup.finish("tests.acl.approx", policy, identity.key, "t1", success=True)
+    again = dedup.gate("tests.acl.approx", policy, identity, "t2")
+    assert (again.verdict, again.existing_id) == (Verdict.DUPLICATE, None)
+
+
+def test_acl_user_with_the_listed_commands_runs_an_approximate_window_and_its_stats(
+    acl_server: RedisServer,
+) -> None:
+    with acl_store(acl_server, [*ACL_COMMANDS, *WINDOW_COMMANDS, *STATS_COMMANDS]) as store:
+        _approximate_round(store)
+        windows = read_windows(store.client)
+        assert windows["tests.acl.approx"].identities == 1
+
+
+@pytest.mark.parametrize("missing", WINDOW_COMMANDS)
+def test_acl_each_window_command_is_needed_and_a_refused_completion_keeps_the_lock(
+    acl_server: RedisServer, missing: str
+) -> None:
+    """Without any one of them the completion fails loudly; the running lock stays (it
+    lapses with its lease) rather than being deleted while the filter lacks the identity."""
+    commands = [*ACL_COMMANDS, *(c for c in WINDOW_COMMANDS if c != missing)]
+    with acl_store(acl_server, commands) as store:
+        with redis.Redis(port=acl_server.port) as admin:
+            admin.flushdb()  # a fresh slice: every command of its creation runs
+        policy = Policy(ttl=60, window=Approximate(capacity=1000, error_rate=0.01))
+        key = Deduplicator(store).identity("tests.acl.approx", policy, (1,)).key
+        probe = approximate.probe(key, policy.window, policy.ttl_ms)  # type: ignore[arg-type]
+        assert probe is not None
+        assert store.claim(key, "t1", 60_000).outcome.name == "ACQUIRED"
+        with pytest.raises(StoreUnavailableError, match="permission"):
+            if missing == "+getbit":
+                store.reserve(key + "x", "t2", 60_000, window=probe)  # the check reads bits
+            else:
+                store.remember(key, "t1", probe)
+        lock = store.get(key)
+        assert lock is not None and lock.owner == "t1" and lock.state.value == "R"

@@ -35,7 +35,6 @@ if state ~= 'R' then
   return 4
 end
 if #KEYS > 1 then
-  redis.call('DEL', key)
   local live = {unpack(KEYS, 2)}
   local slice, m = live[1], tonumber(ARGV[6])
   local created = 0
@@ -65,6 +64,10 @@ if #KEYS > 1 then
   else
     added = redis.call('BITFIELD', slice, 'GET', 'u32', m)[1]
   end
+  -- Last: a script that fails half-way keeps what it wrote, so an error above (OOM, a
+  -- missing ACL permission) leaves the running lock (it lapses with its lease), never a
+  -- deleted lock whose identity the filter does not hold.
+  redis.call('DEL', key)
   return {4, added, created}
 end
 if tonumber(ttl_ms) > 0 then
