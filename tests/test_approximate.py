@@ -411,3 +411,28 @@ def test_gate_many_gates_approximate_calls_one_by_one_with_the_window(
     assert [a.verdict for a in answers] == [  # type: ignore[union-attr]
         Verdict.DUPLICATE, Verdict.ACCEPTED]
     assert calls[0].identity.key == key
+
+
+def test_celery_eager_mode_runs_once_and_a_remembered_duplicate_returns_none() -> None:
+    from celery import Celery
+
+    from taskdedup.celery import DedupTask
+
+    app = Celery("approx-eager", set_as_current=False)
+    app.conf.update(task_always_eager=True, taskdedup_store=MemoryStore(),
+                    taskdedup_stats=False)
+    runs: list[int] = []
+
+    def body(x: int) -> int:
+        runs.append(x)
+        return x
+
+    task = app.task(base=DedupTask, shared=False, name="tests.approx.eager",
+                    dedup=Policy(ttl=60, window=Approximate(1000, 0.01)))(body)
+    assert task.delay(1).get() == 1
+    assert task.delay(1) is None
+    with pytest.raises(DuplicateTaskError) as caught:
+        task.apply_async((1,), dedup={"on_duplicate": "raise"})
+    assert caught.value.existing_id is None
+    assert task.delay(2).get() == 2
+    assert runs == [1, 2]
