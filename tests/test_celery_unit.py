@@ -20,6 +20,7 @@ from kombu.exceptions import EncodeError, OperationalError
 
 import taskdedup
 from taskdedup import (
+    Approximate,
     ConfigurationError,
     DuplicateTaskError,
     Event,
@@ -529,6 +530,8 @@ def test_per_call_policy_may_not_change_what_the_worker_applies(eager_app: Celer
         charge.apply_async((42,), dedup=Policy(mode="until_executed", ttl=100))
     with pytest.raises(ConfigurationError, match="per-call dedup= may only change"):
         charge.apply_async((42,), dedup={"ttl": 5})
+    with pytest.raises(ConfigurationError, match="per-call dedup= may only change"):
+        charge.apply_async((42,), dedup=Policy(ttl=100, window=Approximate(1000, 0.01)))
 
     @dtask(eager_app, dedup=False)
     def undeclared(user_id: int) -> None: ...

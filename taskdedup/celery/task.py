@@ -57,7 +57,7 @@ _STORE_RETRY_COUNTDOWN = 5.0
 _CHECK_FIRST_ABOVE = 0.5
 _RATE_WEIGHT = 0.1
 _CALL_FIELDS = frozenset({"on_duplicate", "on_store_error"})
-_POLICY_FIELDS = ("mode", "ttl", "lease", "include", "exclude", "key", "scope")
+_POLICY_FIELDS = ("mode", "ttl", "lease", "include", "exclude", "key", "scope", "window")
 
 
 class DuplicateExecution(Ignore):  # type: ignore[misc]
