@@ -11,11 +11,10 @@ from typing import Any, Final
 from rq.job import Job
 
 from ..approximate import Approximate
-from ..core import GateResult
+from ..core import GateResult, skipped_value
 from ..events import logger
 from ..exceptions import ConfigurationError
 from ..policy import Policy, is_disabled
-from ..stores.base import LockState
 
 __all__ = ["META_KEY", "Guard", "guard_of", "meta_entry", "skip_result", "skipped_info"]
 
@@ -24,10 +23,6 @@ META_KEY: Final = "taskdedup"
 ``"window": [capacity, error_rate, slices, partitions]`` under an approximate window), or
 ``{"off": True}`` for a call made with ``dedup=False``; ``"skipped"`` is added to a job whose
 execution was skipped as a duplicate."""
-
-_STATE_WORDS: Final = {LockState.QUEUED: "queued", LockState.RUNNING: "running",
-                       LockState.DONE: "done"}
-
 
 @dataclass(frozen=True, slots=True)
 class Guard:
@@ -98,10 +93,9 @@ def skipped_info(job: Job) -> dict[str, Any] | None:
 
 def skip_result(job: Job, result: GateResult) -> dict[str, Any]:
     """Mark ``job`` skipped in its meta; the dict is also its return value (JSON-friendly)."""
-    state = _STATE_WORDS.get(result.state) if result.state else None
-    info = {"existing_id": result.existing_id, "state": state}
+    value = skipped_value(result.existing_id, result.state)  # as Celery's skipped result
     entry = dict(job.meta.get(META_KEY) or {})
-    entry["skipped"] = info
+    entry["skipped"] = {"existing_id": value["existing_id"], "state": value["state"]}
     job.meta[META_KEY] = entry
     job.save_meta()  # type: ignore[no-untyped-call]
-    return {"taskdedup": "skipped duplicate", **info}
+    return value
