@@ -84,7 +84,10 @@ OLDER = [
 # The subset run on every older combination: the store's contract on that server and
 # redis-py, the server checks, real Celery and RQ workers (retries, failures, SIGKILL,
 # redelivery), the one-round-trip publish and enqueue with their lost-reply handling, the shims
-# that differ between releases, and the README's own examples.
+# that differ between releases, and the README's own examples. The durable tier's SIGKILL proof
+# (tests/test_sql_faults.py, ~80 s) runs with the whole suite only: the redelivery it rests on
+# is what test_faults_kill.py checks on every combination, and the key it reads from the
+# message is checked by test_sql_workers.py on each.
 SUBSET = [
     "tests/test_store_contract.py",
     "tests/test_store_compat.py",
@@ -108,7 +111,6 @@ SUBSET = [
     "tests/test_faults_network.py",
     "tests/test_faults_kill.py",
     "tests/test_sql_workers.py",
-    "tests/test_sql_faults.py",
     "tests/test_readme.py",
     "tests/test_examples.py",
 ]

@@ -15,7 +15,7 @@ import time
 
 from celery import Celery, signals
 
-from taskdedup import Policy
+from taskdedup import Approximate, Policy
 from taskdedup.celery import DedupTask
 from tests.effects import r
 
@@ -42,6 +42,8 @@ app.conf.update(
 WINDOW = Policy(mode="until_expired", ttl=300)   # longer than the test: a run is final
 ONCE = Policy(mode="until_executed", ttl=300)    # released when it ends (then may run again)
 STARTED = Policy(mode="until_executing", ttl=300)  # released when a worker starts it
+# the window after success kept in rotating Bloom filters: the lock goes, the identity stays
+REMEMBERED = Policy(mode="until_expired", ttl=300, window=Approximate(10_000, 0.001))
 
 
 def ran(name: str, key: str) -> None:
@@ -61,6 +63,12 @@ def slow(key: str) -> str:
     """Long enough for the test to SIGKILL the worker while it runs."""
     ran("slow", key)
     time.sleep(1.5)
+    return key
+
+
+@app.task(base=DedupTask, dedup=REMEMBERED, name="model.remember")
+def remember(key: str) -> str:
+    ran("remember", key)
     return key
 
 

@@ -252,6 +252,24 @@ def test_a_group_with_a_duplicate_member_is_published_whole_and_names_the_origin
     assert runs(rc, "receipt", fresh) == 1 and runs(rc, "receipt", dup) == 1
 
 
+def test_a_group_member_an_approximate_window_remembers_fails_without_an_id(
+    mapp: Any, rc: redis.Redis, model_worker: ModelWorker,
+) -> None:
+    """A filter remembers the identity, not who ran it: the member still ends in an error
+    (with no id to name), and the group is still published whole."""
+    fresh, seen = new_key(), new_key()
+    first = mapp.remember.delay(seen)
+    assert final(mapp, first.id).state == SUCCESS
+    wait_for(lambda: lock(mapp, mapp.remember, seen) is None, timeout=10,
+             what="the lock to give way to the filter")
+    result = group(mapp.remember.si(fresh), mapp.remember.si(seen)).apply_async()
+    values = result.get(timeout=30, propagate=False)
+    assert values[0] == fresh
+    assert isinstance(values[1], DuplicateTaskError) and values[1].existing_id is None
+    assert "ran already" in str(values[1])
+    assert runs(rc, "remember", fresh) == 1 and runs(rc, "remember", seen) == 1
+
+
 def test_a_chord_whose_header_holds_a_duplicate_ends_with_a_chord_error(
     mapp: Any, rc: redis.Redis, model_worker: ModelWorker,
 ) -> None:

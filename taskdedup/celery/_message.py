@@ -46,13 +46,14 @@ def is_off(raw: Any, task_name: str) -> bool:
     return isinstance(raw, Mapping) and raw.get("task") == task_name and bool(raw.get("off"))
 
 
-def mark(raw: Mapping[str, Any], existing_id: str, workflow: bool) -> dict[str, Any]:
-    """The header of a duplicate published anyway (it continues a workflow)."""
-    return {**raw, _DUPLICATE_OF: existing_id, _WORKFLOW: int(workflow)}
+def mark(raw: Mapping[str, Any], existing_id: str | None, workflow: bool) -> dict[str, Any]:
+    """The header of a duplicate published anyway (it continues a workflow); ``existing_id``
+    None when no id is known (an approximate window remembers the identity, not its id)."""
+    return {**raw, _DUPLICATE_OF: existing_id or "", _WORKFLOW: int(workflow)}
 
 
-def marked(raw: Any, task_name: str) -> tuple[str, bool] | None:
-    """``(original's id, ends its workflow)`` for a marked duplicate of task ``task_name``."""
-    if isinstance(raw, Mapping) and raw.get("task") == task_name and raw.get(_DUPLICATE_OF):
-        return str(raw[_DUPLICATE_OF]), bool(raw.get(_WORKFLOW))
+def marked(raw: Any, task_name: str) -> tuple[str | None, bool] | None:
+    """``(original's id or None, ends its workflow)`` for a marked duplicate of ``task_name``."""
+    if isinstance(raw, Mapping) and raw.get("task") == task_name and _DUPLICATE_OF in raw:
+        return str(raw[_DUPLICATE_OF] or "") or None, bool(raw.get(_WORKFLOW))
     return None

@@ -297,7 +297,7 @@ class DedupTask(Task):  # type: ignore[misc]
         carried = [name for name in _CALLBACK_OPTIONS if options.get(name)]
         carried += [n for n, v in (("link", link), ("link_error", link_error)) if v]
         workflow = self._continues(existing_id, task_id, given, options, bool(carried))
-        if workflow is not None and existing_id is not None:
+        if workflow is not None:
             logger.debug("taskdedup: %s[%s] is a duplicate of %s and %s: published marked, its "
                          "worker ends it without running the body", self.name, task_id,
                          existing_id, "continues a workflow" if workflow else "is a retry")
@@ -325,11 +325,13 @@ class DedupTask(Task):  # type: ignore[misc]
         - A task's own retry (``self.retry``) whose identity another id holds meanwhile: it
           ends as a skipped duplicate of that id, never swallowed without a state.
 
-        Never for an explicit ``task_id`` that is its own original (a duplicate of itself),
+        ``existing_id`` is None when no id is known (an approximate window remembers the
+        identity, not who ran it). Never for an explicit ``task_id`` that is its own original (a
+        duplicate of itself),
         and never for a caller outside a worker: there a call with callbacks raises and a
         plain call gets the original's handle, per ``on_duplicate``.
         """
-        if not existing_id or existing_id == task_id:
+        if existing_id is not None and existing_id == task_id:
             return None
         if options.get("group_id") or options.get("chord"):
             return True
@@ -408,11 +410,13 @@ class DedupTask(Task):  # type: ignore[misc]
         ``{"taskdedup": "skipped duplicate", "existing_id": ..., "state": ...}``."""
         setattr(request, STATE_ATTR, SKIPPED)
         if workflow or request.callbacks or request.chain or request.chord or request.group:
+            original = (f"task {existing_id!r}, which holds {key}" if existing_id else
+                        f"{key}, which ran already (its id is not kept)")
             raise DuplicateTaskError(
                 key or "?", existing_id,
-                f"{self.name}[{request.id}] did not run: it is a duplicate of task "
-                f"{existing_id!r}, which holds {key}; the workflow it belongs to (its callbacks, "
-                "chain, group or chord) ends with this error",
+                f"{self.name}[{request.id}] did not run: it is a duplicate of {original}; the "
+                "workflow it belongs to (its callbacks, chain, group or chord) ends with this "
+                "error",
             )
         setattr(request, SKIP_ATTR, skipped_value(existing_id, state))
 
