@@ -29,24 +29,11 @@ from taskdedup import (
 from taskdedup.core import GateCall, GateResult, Identity, Verdict
 from taskdedup.identity import fingerprint
 from taskdedup.stores.base import LockInfo, LockResult, LockState, Outcome
-from taskdedup.testing import wait_for
+from taskdedup.testing import FakeClock, wait_for
 
 A, B = "task-a", "task-b"
 TASK = "app.charge"
 HEX32 = r"[0-9a-f]{32}"
-
-
-class FakeClock:
-    """A clock that only moves when told to."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 class DownStore:

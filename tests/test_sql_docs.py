@@ -4,20 +4,12 @@ duplicate that gets past a lost lock finds the committed row and redoes nothing.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import redis
 import sqlalchemy as sa
 
-README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-
-
-def _block(after_heading: str) -> str:
-    section = README.split(f"## {after_heading}", 1)[1]
-    match = re.search(r"```python\n(.*?)```", section, re.S)
-    assert match, f"no python block under {after_heading!r}"
-    return match.group(1)
+from tests.test_readme import _block
 
 
 def test_readme_durable_tier_example_charges_once_even_when_the_lock_is_lost(

@@ -30,7 +30,7 @@ from taskdedup.stores import (
     RedisStore,
     Store,
 )
-from taskdedup.testing import free_port, wait_for
+from taskdedup.testing import FakeClock, free_port, wait_for
 
 A, B = "task-a", "task-b"
 C1, C2 = "1" * 32, "2" * 32
@@ -40,19 +40,6 @@ SHORT = 150  # ms: expires during a test (waited for, never slept on)
 Q, R, D = LockState.QUEUED, LockState.RUNNING, LockState.DONE
 ACQUIRED = LockResult(Outcome.ACQUIRED)
 UNKNOWN_HOLDER = LockResult(Outcome.DUPLICATE)  # held by a value taskdedup did not write
-
-
-class FakeClock:
-    """A monotonic clock that only moves when told to."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 @dataclass
