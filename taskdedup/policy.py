@@ -116,17 +116,21 @@ def _names(name: str, value: Collection[str] | str | None) -> frozenset[str] | N
     return names
 
 
+def _known_fields(kind: str, value: Mapping[str, Any], known: set[str]) -> None:
+    """A dict given for a ``kind`` names only its fields, or a clear error says which."""
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ConfigurationError(
+            f"unknown {kind} field(s) {', '.join(map(repr, unknown))}; "
+            f"known: {', '.join(sorted(known))}"
+        )
+
+
 def _window(value: Any) -> Approximate | None:
     if value is None or isinstance(value, Approximate):
         return value
     if isinstance(value, Mapping):
-        known = {"capacity", "error_rate", "slices", "partitions"}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ConfigurationError(
-                f"unknown Approximate field(s) {', '.join(map(repr, unknown))}; "
-                f"known: {', '.join(sorted(known))}"
-            )
+        _known_fields("Approximate", value, {"capacity", "error_rate", "slices", "partitions"})
         return Approximate(**value)
     raise ConfigurationError(
         f"Policy.window must be None or taskdedup.Approximate(capacity, error_rate), got "
@@ -238,13 +242,7 @@ class Policy:
         if isinstance(value, Policy):
             return value
         if isinstance(value, Mapping):
-            known = {f.name for f in fields(cls)}
-            unknown = sorted(set(value) - known)
-            if unknown:
-                raise ConfigurationError(
-                    f"unknown Policy field(s) {', '.join(map(repr, unknown))}; "
-                    f"known: {', '.join(sorted(known))}"
-                )
+            _known_fields("Policy", value, {f.name for f in fields(cls)})
             return cls(**value)
         raise ConfigurationError(
             f"dedup= must be a taskdedup.Policy, a dict of its fields, True or False; "
