@@ -150,9 +150,10 @@ def newest_interpreter() -> str:
 
 @nox.session(python=newest_interpreter())
 def tests(session: nox.Session) -> None:
-    """The whole suite on the newest combination (also lint and types: tests/test_lint.py)."""
+    """The whole suite on the newest combination (also lint, types and the docs build:
+    tests/test_lint.py, tests/test_docs.py; Django and django-rq: tests/test_django.py)."""
     _install(session, NEWEST)
-    session.install(*nox.project.dependency_groups(PYPROJECT, "lint", "bench"))
+    session.install(*nox.project.dependency_groups(PYPROJECT, "lint", "bench", "django", "docs"))
     session.run("python", "-m", "pytest", *session.posargs)
 
 
