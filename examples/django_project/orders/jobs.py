@@ -1,0 +1,16 @@
+"""Functions enqueued on django-rq's queues. ``RQ["QUEUE_CLASS"]`` makes
+``django_rq.get_queue("default")`` a ``taskdedup.rq.DedupQueue``, so::
+
+    queue = django_rq.get_queue("default")
+    job = queue.enqueue(reserve_stock, "ORD-1", 2)
+    assert queue.enqueue(reserve_stock, "ORD-1", 2).id == job.id   # a duplicate: the original
+
+and ``python manage.py rqworker default`` runs them in a ``taskdedup.rq.DedupWorker``.
+"""
+
+from . import ledger
+
+
+def reserve_stock(order_id: str, quantity: int) -> None:
+    """Take ``quantity`` items off the shelf for an order: once per order and quantity."""
+    ledger.record(f"stock:{order_id}", quantity)
