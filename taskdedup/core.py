@@ -282,7 +282,7 @@ class Deduplicator:
             return GateResult(Verdict.ACCEPTED)
         if outcome is Outcome.REPLACED:
             self._emit(Event.DUPLICATE, name, key, owner, existing, "replaced", seconds)
-            logger.info("taskdedup: %s replaced queued task %s with %s", name, existing, owner)
+            logger.debug("taskdedup: %s replaced queued task %s with %s", name, existing, owner)
             return GateResult(Verdict.REPLACED, existing, result.state)
         if outcome is Outcome.MISMATCH:
             self._emit(Event.DUPLICATE, name, key, owner, existing, "mismatch", seconds)
@@ -335,7 +335,7 @@ class Deduplicator:
             return StartResult(Verdict.ACCEPTED)
         state = result.state.value if result.state else "?"
         self._emit(Event.SKIPPED, name, key, owner, result.owner, state)
-        logger.info(
+        logger.debug(
             "taskdedup: skipped %s[%s]: identity %s is %s by %s",
             name, owner, key, _STATE_WORDS.get(result.state, "held") if result.state else "held",
             result.owner,
@@ -510,10 +510,11 @@ def resolve_duplicate(
     """Apply ``on_duplicate`` to a call found to be a duplicate, the same way everywhere.
 
     Returns True to hand the caller the original's handle, False to drop the call (logged at
-    INFO). Raises :class:`DuplicateTaskError` for ``raise``; for ``replace`` of an original
-    that has started (``replace_raises``); for a holder that is not an id (a value taskdedup
-    did not write); and whatever ``on_duplicate`` says, when the call carries a workflow
-    (``carried``: callbacks, chain steps, dependents), which dropping would lose silently.
+    DEBUG: it is counted). Raises :class:`DuplicateTaskError` for ``raise``; for ``replace``
+    of an original that has started (``replace_raises``); for a holder that is not an id (a
+    value taskdedup did not write); and whatever ``on_duplicate`` says, when the call carries
+    a workflow (``carried``: callbacks, chain steps, dependents), which dropping would lose
+    silently.
     """
     if carried:
         raise DuplicateTaskError(
@@ -535,7 +536,7 @@ def resolve_duplicate(
                 "the approximate window, which keeps no id; or a false positive at its "
                 "error_rate)",
             )
-        logger.info("taskdedup: duplicate %s remembered by the approximate window", name)
+        logger.debug("taskdedup: duplicate %s remembered by the approximate window", name)
         return False
     if existing_id is None:
         raise DuplicateTaskError(
@@ -547,7 +548,7 @@ def resolve_duplicate(
     if mode is OnDuplicate.RAISE:
         raise DuplicateTaskError(key, existing_id)
     if mode is OnDuplicate.DROP:
-        logger.info("taskdedup: dropped duplicate %s (held by %s)", name, existing_id)
+        logger.debug("taskdedup: dropped duplicate %s (held by %s)", name, existing_id)
         return False
     if mode is OnDuplicate.REPLACE and replace_raises:
         raise DuplicateTaskError(

@@ -16,6 +16,13 @@ from enum import StrEnum
 __all__ = ["Counters", "DedupEvent", "Event", "Events", "Listener", "logger"]
 
 logger = logging.getLogger("taskdedup")
+# A library logs, the application decides where it goes: without this, Python's last-resort
+# handler would print our WARNINGs to stderr in apps that configured no logging. Levels:
+# DEBUG for each dropped, replaced or skipped duplicate (they are counted: watch the counts),
+# INFO for one-time choices and self-healing, WARNING for what needs action. `rq worker`
+# configures no root logger: DedupWorker sends our records to its own output
+# (taskdedup.rq.logs).
+logger.addHandler(logging.NullHandler())
 
 
 class Event(StrEnum):

@@ -56,6 +56,7 @@ __all__ = [
     "TaskStats",
     "attach",
     "flush_all",
+    "flush_before_exit",
     "hand_over",
     "read_stats",
     "stats_key",
@@ -178,9 +179,21 @@ class StatsRecorder:
     def flush(self) -> bool:
         """Write the pending deltas with one pipeline; True when nothing is left pending.
 
-        Never raises: an error is logged at WARNING and the deltas that were not written
-        are kept for the next flush.
+        Never raises: an error is logged at WARNING (at most once a minute while it lasts)
+        and the deltas that were not written are kept for the next flush.
         """
+        failed, _, error = self._write(keep=True)
+        if failed:
+            self._warn(failed, error)
+            return False
+        if self._failing_since is not None:
+            logger.info("taskdedup: stats flushed again to %s", describe_client(self.client))
+            self._failing_since = None
+        return True
+
+    def _write(self, *, keep: bool) -> tuple[int, int, BaseException | None]:
+        """One pipeline of HINCRBYs for what is pending. Returns the deltas and the counts
+        not written, and why; those deltas are kept for the next flush when ``keep``."""
         if self._pid != os.getpid():  # forked and not called since: the deltas were the parent's
             self._reset_after_fork()
         with self._flush_lock:
@@ -190,7 +203,7 @@ class StatsRecorder:
                 (task, name, n) for task, counts in batch.items() for name, n in counts.items() if n
             ]
             if not entries:
-                return True
+                return 0, 0, None
             failed: list[tuple[str, str, int]] = []
             error: BaseException | None = None
             try:
@@ -205,14 +218,9 @@ class StatsRecorder:
                     if isinstance(reply, Exception):
                         failed.append(entry)
                         error = reply
-            if failed:
+            if failed and keep:
                 self._restore(failed)
-                self._warn(len(failed), error)
-                return False
-            if self._failing_since is not None:
-                logger.info("taskdedup: stats flushed again to %s", describe_client(self.client))
-                self._failing_since = None
-            return True
+            return len(failed), sum(n for _, _, n in failed), error
 
     def _restore(self, entries: Iterable[tuple[str, str, int]]) -> None:
         with self._lock:
@@ -348,15 +356,28 @@ def take_over(payload: bytes) -> bool:
     return complete
 
 
-def _flush_at_exit() -> None:
-    """Best effort: write what is pending when the interpreter exits."""
+def flush_before_exit() -> None:
+    """The last flush of a process that is ending (``atexit``, a Celery pool child, an RQ
+    work-horse). Never raises, and says one WARNING only when counts are really lost: the
+    deltas that Redis did not take are dropped with the process, never kept "for later"."""
+    lost = 0
+    where, error = "", None
     for recorder in list(_RECORDERS):
         if recorder._pid != os.getpid():
             continue
         try:
-            recorder.close()
+            recorder.close(flush=False)
+            _, counts, reason = recorder._write(keep=False)
         except Exception:  # never in the way of an exit
-            pass
+            continue
+        if counts:
+            lost += counts
+            where, error = describe_client(recorder.client), reason
+    if lost:
+        logger.warning(
+            "taskdedup: %d stats counts lost as this process exits: Redis at %s did not take "
+            "them (%s: %s)", lost, where, type(error).__name__, error,
+        )
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -387,7 +408,7 @@ def attach(
     if not _exit_hook_registered:
         # Registered on first use, not at import: atexit runs last-in first-out, so the last
         # flush happens before the exit handlers of whatever was set up earlier (a server).
-        atexit.register(_flush_at_exit)
+        atexit.register(flush_before_exit)
         _exit_hook_registered = True
     recorder = StatsRecorder(client, prefix=dedup.prefix, interval=interval)
     dedup.events.add(recorder)

@@ -26,12 +26,12 @@ from taskdedup import (
     RedisStore,
     StoreUnavailableError,
 )
-from taskdedup.core import GateCall, GateResult, Identity, Verdict
+from taskdedup.core import GateCall, GateResult, Identity, Verdict, resolve_duplicate
 from taskdedup.identity import fingerprint
 from taskdedup.stores.base import LockInfo, LockResult, LockState, Outcome
 from taskdedup.testing import FakeClock, wait_for
 
-A, B = "task-a", "task-b"
+A, B, C = "task-a", "task-b", "task-c"
 TASK = "app.charge"
 HEX32 = r"[0-9a-f]{32}"
 
@@ -548,16 +548,42 @@ def test_start_by_a_second_owner_is_a_duplicate(
     assert info is not None and info.owner == A
 
 
-def test_start_logs_a_skipped_duplicate_at_info(
+def test_start_logs_a_skipped_duplicate_at_debug_not_info(
     dedup: Deduplicator, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """A skipped duplicate is counted (Event.SKIPPED); a webhook storm must not flood INFO."""
     p = Policy()
     key = ident(dedup, p, 1).key
     dedup.start(TASK, p, key, A)
     with caplog.at_level(logging.INFO, logger="taskdedup"):
         dedup.start(TASK, p, key, B)
-    messages = [r.getMessage() for r in caplog.records if r.name == "taskdedup"]
-    assert any("skipped" in m and "running" in m and A in m for m in messages)
+    assert [r for r in caplog.records if r.name == "taskdedup"] == []
+    with caplog.at_level(logging.DEBUG, logger="taskdedup"):
+        dedup.start(TASK, p, key, B)
+    records = [r for r in caplog.records if r.name == "taskdedup"]
+    assert [r.levelno for r in records] == [logging.DEBUG]
+    message = records[0].getMessage()
+    assert "skipped" in message and "running" in message and A in message
+
+
+def test_dropped_and_replaced_duplicates_log_at_debug_not_info(
+    dedup: Deduplicator, caplog: pytest.LogCaptureFixture
+) -> None:
+    drop, replace = Policy(on_duplicate="drop"), Policy(on_duplicate="replace")
+    dropped, replaced = ident(dedup, drop, 1), ident(dedup, replace, 2)
+    dedup.gate(TASK, drop, dropped, A)
+    dedup.gate(TASK, replace, replaced, A)
+    with caplog.at_level(logging.INFO, logger="taskdedup"):
+        assert resolve_duplicate(TASK, drop, dropped.key, A) is False
+        assert dedup.gate(TASK, replace, replaced, B).verdict is Verdict.REPLACED
+    assert [r for r in caplog.records if r.name == "taskdedup"] == []
+    with caplog.at_level(logging.DEBUG, logger="taskdedup"):
+        assert resolve_duplicate(TASK, drop, dropped.key, A) is False
+        assert dedup.gate(TASK, replace, replaced, C).verdict is Verdict.REPLACED
+    records = [r for r in caplog.records if r.name == "taskdedup"]
+    assert [r.levelno for r in records] == [logging.DEBUG, logging.DEBUG]
+    assert "dropped duplicate" in records[0].getMessage()
+    assert "replaced queued task" in records[1].getMessage()
 
 
 def test_start_after_done_by_the_same_id_is_a_duplicate(

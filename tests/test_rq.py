@@ -377,9 +377,10 @@ def test_on_duplicate_raise_and_drop(
         idle.enqueue(rq_jobs.record, name, dedup={"on_duplicate": "raise"})
     assert info.value.existing_id == first.id
     assert info.value.key.startswith("taskdedup:tests.rq_jobs.record:")
-    with caplog.at_level(logging.INFO, logger="taskdedup"):
+    with caplog.at_level(logging.DEBUG, logger="taskdedup"):
         assert idle.enqueue(rq_jobs.record, name, dedup={"on_duplicate": "drop"}) is None
-    assert any("dropped duplicate" in r.getMessage() for r in caplog.records)
+    assert any("dropped duplicate" in r.getMessage() and r.levelno == logging.DEBUG
+               for r in caplog.records)
     assert idle.count == 1
 
 

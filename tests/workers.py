@@ -128,9 +128,11 @@ class RqWorker(WorkerProcess):
     def __init__(
         self, redis_url: str, queues: list[str], *, scheduler: bool = True,
         worker_class: str = "taskdedup.rq.DedupWorker", env: dict[str, str] | None = None,
+        args: list[str] | None = None,
     ) -> None:
         super().__init__(redis_url, env)
         self.queues = list(queues)
+        self.args = list(args or [])  # more `rq worker` options, e.g. --logging_level DEBUG
         self.scheduler = scheduler
         self.worker_class = worker_class
         # Unique for good: id(self) can come back for a new worker while RQ still lists a
@@ -142,7 +144,7 @@ class RqWorker(WorkerProcess):
         return [
             sys.executable, "-m", "rq.cli", "worker", "-w", self.worker_class,
             "--job-class", "taskdedup.rq.DedupJob", "--url", self.redis_url, "-n", self.name,
-            *(["--with-scheduler"] if self.scheduler else []), *self.queues,
+            *(["--with-scheduler"] if self.scheduler else []), *self.args, *self.queues,
         ]
 
     def ready(self) -> bool:

@@ -166,4 +166,4 @@ signals.task_internal_error.connect(_on_internal_error, weak=False)
 signals.task_received.connect(lambda request=None, **_: claims.receive(request), weak=False)
 signals.task_postrun.connect(_on_postrun, weak=False)
 # Pool processes exit without atexit handlers: flush the last counts explicitly.
-signals.worker_process_shutdown.connect(lambda **_: stats.flush_all(), weak=False)
+signals.worker_process_shutdown.connect(lambda **_: stats.flush_before_exit(), weak=False)

@@ -24,6 +24,7 @@ from ..running import Running
 from ..stores.base import Store
 from . import _compat
 from .config import get_deduplicator
+from .logs import log_to_worker
 from .meta import Guard, guard_of, skip_result
 
 if TYPE_CHECKING:
@@ -69,6 +70,12 @@ class DedupWorker(Worker):
         self.dedup.check_store()  # here, not in every forked work-horse (one INFO per job)
         self._dedup_pid = os.getpid()
         self._dedup_claims: dict[str, Guard] = {}
+
+    def bootstrap(self, *args: Any, **kwargs: Any) -> None:
+        """RQ's start-up (it sets up the worker's log handlers); then our records join that
+        output when the application configured no logging of its own (:mod:`.logs`)."""
+        super().bootstrap(*args, **kwargs)
+        log_to_worker()
 
     def perform_job(self, job: Job, queue: Queue, execution: Execution | None = None) -> bool:
         """Claim the lock (in the work-horse), then run the job as RQ does; skip duplicates."""
@@ -117,7 +124,7 @@ class DedupWorker(Worker):
             if fd is not None:
                 os.close(fd)
         if payload is None:
-            stats.flush_all()
+            stats.flush_before_exit()
 
     def _take_stats_from_horse(self) -> None:
         fd = getattr(self, "_stats_read", None)
