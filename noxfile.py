@@ -105,6 +105,7 @@ SUBSET = [
     "tests/test_rq.py",
     "tests/test_rq_compat.py",
     "tests/test_rq_faults.py",
+    "tests/test_logging.py",
     "tests/test_approximate.py",
     "tests/test_approximate_workers.py",
     "tests/test_approximate_stats.py",
