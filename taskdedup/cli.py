@@ -22,7 +22,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -30,26 +30,34 @@ from typing import Any, Final
 
 import click
 import redis
-from redis.exceptions import AuthenticationError, NoPermissionError
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from .core import DEFAULT_PREFIX, Deduplicator
 from .exceptions import ConfigurationError
+from .locks import (
+    Lock,
+    batches,
+    delete_locks,
+    iter_locks,
+    key_text,
+    lock_pattern,
+    one_line,
+    raise_errors,
+    redis_error_text,
+    scan_keys,
+    to_lock,
+    ttl_text,
+)
 from .policy import Policy
 from .stats import TaskStats, WindowStats, read_stats, read_windows, stats_key
-from .stores.memory import MemoryStore, parse_value
+from .stores.memory import MemoryStore
 from .stores.redis import RedisStore, redact_url
 
 __all__ = ["main"]
 
-_SCAN_COUNT: Final = 1000
-_BATCH: Final = 500
 _DIGEST: Final = re.compile(r"[0-9a-f]{32}")
-_STATE_NAMES: Final = {"Q": "queued", "R": "running", "D": "done"}
 
 # Commands that live in other modules and are imported only when run (their imports are
 # heavy: Celery, RQ, a Redis server). ``taskdedup demo`` is ``taskdedup/demo.py``'s ``demo``
@@ -149,36 +157,7 @@ def _redis_errors(env: _Env) -> Iterator[None]:
     try:
         yield
     except redis.RedisError as exc:
-        raise _redis_failure(env.where, exc) from None
-
-
-def _redis_failure(where: str, exc: redis.RedisError) -> CliError:
-    if isinstance(exc, AuthenticationError):
-        return CliError(f"Redis at {where} refused the credentials: {_one_line(exc)}")
-    if isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
-        return CliError(f"cannot reach Redis at {where}: {_reason(exc)}")
-    if isinstance(exc, NoPermissionError):
-        return CliError(f"the Redis user at {where} lacks a permission: {_one_line(exc)}")
-    return CliError(f"Redis at {where} answered with an error: {_one_line(exc)}")
-
-
-def _reason(exc: BaseException) -> str:
-    """The operating system's words for a connection failure, e.g. ``Connection refused``."""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if isinstance(current, TimeoutError):
-            return "timed out"
-        if isinstance(current, OSError) and current.strerror:
-            return current.strerror
-        current = current.__cause__ or current.__context__
-    return _one_line(exc)
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return text or type(exc).__name__
+        raise CliError(redis_error_text(env.where, exc)) from None
 
 
 # -- output helpers ------------------------------------------------------------------------------
@@ -199,152 +178,7 @@ def _cell(value: object) -> Text:
     return Text("-" if value is None or value == "" else str(value))
 
 
-def _ttl_text(ttl_ms: int) -> str:
-    if ttl_ms == -1:
-        return "no expiry"
-    if ttl_ms < 0:
-        return "-"
-    return f"{ttl_ms / 1000:.1f}s"
-
-
 # -- keys and lock values -----------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class _Lock:
-    """One lock as read from Redis."""
-
-    key: str
-    task: str
-    scope: str
-    digest: str
-    state: str
-    owner: str
-    check: str
-    ttl_ms: int
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "key": self.key,
-            "task": self.task,
-            "scope": self.scope or None,
-            "digest": self.digest,
-            "state": self.state,
-            "owner": self.owner,
-            "ttl_ms": self.ttl_ms,
-            "idempotency_check": bool(self.check),
-        }
-
-
-def _split_key(prefix: str, key: str, task: str | None = None) -> tuple[str, str, str] | None:
-    """``(scope, task, digest)`` of ``{prefix}[:{scope}]:{task}:{digest}``, else None.
-
-    A scope never contains ``:``, a task name may; without a known ``task`` the first of
-    two or more middle segments is read as the scope.
-    """
-    head = prefix + ":"
-    if not key.startswith(head):
-        return None
-    middle, sep, digest = key[len(head):].rpartition(":")
-    if not sep or not middle:
-        return None
-    if task is not None:
-        if middle == task:
-            return "", task, digest
-        scope = middle[: -len(task) - 1]
-        if middle.endswith(":" + task) and scope and ":" not in scope:
-            return scope, task, digest
-        return None
-    scope, sep, name = middle.partition(":")
-    return (scope, name, digest) if sep else ("", middle, digest)
-
-
-def _wrong_type(reply: Any) -> bool:
-    """Whether ``reply`` is Redis's WRONGTYPE error: the key holds something else (a hash)."""
-    return isinstance(reply, redis.ResponseError) and str(reply).startswith("WRONGTYPE")
-
-
-def _raise_errors(replies: Iterable[Any]) -> None:
-    """Raise the first error among pipeline ``replies``, WRONGTYPE excepted."""
-    for reply in replies:
-        if isinstance(reply, Exception) and not _wrong_type(reply):
-            raise reply
-
-
-def _to_lock(prefix: str, key: str, value: Any, pttl: Any, task: str | None) -> _Lock | None:
-    """A :class:`_Lock` from a GET reply and a PTTL reply; None when it is not a lock (of
-    ``task``)."""
-    if _wrong_type(value):
-        return None  # another type (a stats hash): not a lock
-    parsed = parse_value(value)
-    if parsed is None:
-        return None
-    parts = _split_key(prefix, key, task)
-    if parts is None:
-        if task is not None:
-            return None
-        parts = ("", "", "")
-    state, check, owner = parsed
-    return _Lock(key, parts[1], parts[0], parts[2], _STATE_NAMES[state.value], owner, check,
-                 int(pttl))
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode("utf-8", "surrogateescape") if isinstance(value, bytes) else value
-
-
-def _glob_escape(text: str) -> str:
-    return re.sub(r"([\\*?\[\]])", r"\\\1", text)
-
-
-def _scan(client: redis.Redis, pattern: str) -> Iterator[str]:
-    for key in client.scan_iter(match=pattern, count=_SCAN_COUNT):
-        yield _text(key)
-
-
-def _batches(keys: Iterable[str], size: int = _BATCH) -> Iterator[list[str]]:
-    batch: list[str] = []
-    for key in keys:
-        batch.append(key)
-        if len(batch) >= size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
-
-
-def _read_locks(
-    client: redis.Redis, prefix: str, keys: Sequence[str], task: str | None = None
-) -> list[_Lock]:
-    """GET and PTTL every key in one pipelined round trip; the locks (of ``task``) among them."""
-    pipe = client.pipeline(transaction=False)
-    for key in keys:
-        pipe.get(key)
-        pipe.pttl(key)
-    replies = pipe.execute(raise_on_error=False)
-    _raise_errors(replies)
-    locks = []
-    for index, key in enumerate(keys):
-        lock = _to_lock(prefix, key, replies[2 * index], replies[2 * index + 1], task)
-        if lock is not None:
-            locks.append(lock)
-    return locks
-
-
-def _lock_pattern(prefix: str, task: str | None) -> str:
-    """SCAN pattern for the locks of ``task`` (a superset, filtered after reading)."""
-    if task is None:
-        return _glob_escape(prefix) + ":*"
-    return f"{_glob_escape(prefix)}:*{_glob_escape(task)}:*"
-
-
-def _iter_locks(client: redis.Redis, prefix: str, task: str | None) -> Iterator[_Lock]:
-    """Every lock under ``prefix`` (of ``task``), by SCAN and pipelined reads."""
-    for batch in _batches(_scan(client, _lock_pattern(prefix, task))):
-        yield from _read_locks(client, prefix, batch, task)
-
-
-# -- key ---------------------------------------------------------------------------------------
 
 
 def _parse_value(text: str) -> Any:
@@ -471,7 +305,7 @@ def key_command(
             task, policy, positional, keywords, func=function, dedup_key=dedup_key
         )
     except (TypeError, ValueError) as exc:  # ConfigurationError is a ValueError
-        raise CliError(_one_line(exc)) from None
+        raise CliError(one_line(exc)) from None
     digest = identity.key.rpartition(":")[2]
     if dedup_key is not None:
         source = "dedup_key"
@@ -534,7 +368,7 @@ def inspect_command(
         pipe.pttl(key)
         pipe.type(key)
         replies = pipe.execute(raise_on_error=False)
-        _raise_errors(replies)
+        raise_errors(replies)
     value, pttl, kind = replies
     if pttl == -2:
         if as_json:
@@ -542,9 +376,9 @@ def inspect_command(
         else:
             click.echo(f"no lock at {key}: never taken, or released, or expired")
         return
-    lock = _to_lock(env.prefix, key, value, pttl, task)
+    lock = to_lock(env.prefix, key, value, pttl, task)
     if lock is None:
-        raise CliError(f"{key} holds a {_text(kind)}, not a taskdedup lock")
+        raise CliError(f"{key} holds a {key_text(kind)}, not a taskdedup lock")
     if as_json:
         _echo_json({**lock.as_dict(), "exists": True})
         return
@@ -557,7 +391,7 @@ def inspect_command(
         table.add_row("scope", _cell(lock.scope))
     table.add_row("state", _cell(lock.state))
     table.add_row("owner", _cell(lock.owner))
-    table.add_row("ttl", _cell(_ttl_text(lock.ttl_ms)))
+    table.add_row("ttl", _cell(ttl_text(lock.ttl_ms)))
     table.add_row(
         "idempotency check", "set (explicit dedup_key)" if lock.check else "not set"
     )
@@ -580,10 +414,10 @@ def list_command(
 ) -> None:
     """List locks (found with SCAN, never KEYS; read in pipelined batches)."""
     client = env.client()
-    locks: list[_Lock] = []
+    locks: list[Lock] = []
     truncated = False
     with _redis_errors(env):
-        for lock in _iter_locks(client, env.prefix, task):
+        for lock in iter_locks(client, env.prefix, task):
             if state is not None and lock.state != state:
                 continue
             if limit and len(locks) >= limit:
@@ -611,7 +445,7 @@ def list_command(
         cells = [_cell(lock.key), _cell(lock.task)]
         if scoped:
             cells.append(_cell(lock.scope))
-        cells += [_cell(lock.state), _cell(lock.owner), _cell(_ttl_text(lock.ttl_ms))]
+        cells += [_cell(lock.state), _cell(lock.owner), _cell(ttl_text(lock.ttl_ms))]
         table.add_row(*cells)
     console = _console()
     console.print(table)
@@ -620,17 +454,6 @@ def list_command(
 
 
 # -- clear -------------------------------------------------------------------------------------
-
-
-def _delete_locks(client: redis.Redis, prefix: str, keys: Sequence[str], task: str | None) -> int:
-    """DEL those of ``keys`` that are locks (of ``task``); how many were deleted."""
-    locks = _read_locks(client, prefix, keys, task)
-    if not locks:
-        return 0
-    pipe = client.pipeline(transaction=False)
-    for lock in locks:
-        pipe.delete(lock.key)
-    return sum(int(n) for n in pipe.execute())
 
 
 @main.command("clear")
@@ -666,11 +489,11 @@ def clear_command(
     deleted = 0
     with _redis_errors(env):
         if keys:
-            for batch in _batches(keys):
-                deleted += _delete_locks(client, env.prefix, batch, None)
+            for batch in batches(keys):
+                deleted += delete_locks(client, env.prefix, batch, None)
         else:
-            for batch in _batches(_scan(client, _lock_pattern(env.prefix, task))):
-                deleted += _delete_locks(client, env.prefix, batch, task)
+            for batch in batches(scan_keys(client, lock_pattern(env.prefix, task))):
+                deleted += delete_locks(client, env.prefix, batch, task)
     click.echo(f"deleted {deleted} lock{'' if deleted == 1 else 's'}")
 
 

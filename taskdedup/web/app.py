@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from ..cli import _redis_failure, _ttl_text
+from ..locks import redis_error_text, ttl_text
 from ..stats import read_stats
 from ..stores.redis import describe_client
 from . import render
@@ -170,7 +170,7 @@ def lock_detail(request: Request) -> Response:
         ["scope", esc(lock.scope)],
         ["state", esc(lock.state)],
         ["owner (task id)", f"<code>{esc(lock.owner)}</code>"],
-        ["ttl", esc(_ttl_text(lock.ttl_ms))],
+        ["ttl", esc(ttl_text(lock.ttl_ms))],
         ["idempotency check", "set (explicit dedup_key)" if lock.check else "not set"],
         ["seen by this dashboard for", esc(render.age_text(time.time() - first))],
     ]
@@ -300,7 +300,7 @@ def chart(request: Request) -> Response:
 async def _redis_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, redis.RedisError)
     dash: _Dashboard = request.app.state.dashboard
-    message = _redis_failure(dash.where, exc).message
+    message = redis_error_text(dash.where, exc)
     if request.url.path.startswith(_root(request) + "/api/"):
         return _json({"error": message}, 503)
     return _html(request, "error", f'<p class="banner bad">{esc(message)}</p>', status=503)

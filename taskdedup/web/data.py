@@ -22,8 +22,8 @@ from typing import Any, Final
 
 import redis
 
-from ..cli import _Lock, _lock_pattern, _read_locks, _split_key, _text, _to_lock
 from ..events import logger
+from ..locks import Lock, key_text, lock_pattern, read_locks, split_key, to_lock
 from ..stats import TaskStats, read_stats
 from ..stores.base import Outcome
 from ..stores.redis import RedisStore
@@ -40,7 +40,6 @@ __all__ = [
     "read_lock",
 ]
 
-Lock = _Lock
 STATES: Final = ("queued", "running", "done")
 _SCAN_COUNT: Final = 500
 _MAX_SCAN_CALLS: Final = 50
@@ -97,9 +96,9 @@ def _scan_locks(
     client: redis.Redis, prefix: str, task: str | None, cursor: int, count: int = _SCAN_COUNT
 ) -> tuple[int, list[Lock]]:
     """One SCAN call from ``cursor`` and the locks among the keys it returned."""
-    cursor, keys = client.scan(cursor, match=_lock_pattern(prefix, task), count=count)
-    names = [_text(key) for key in keys]
-    return int(cursor), (_read_locks(client, prefix, names, task) if names else [])
+    cursor, keys = client.scan(cursor, match=lock_pattern(prefix, task), count=count)
+    names = [key_text(key) for key in keys]
+    return int(cursor), (read_locks(client, prefix, names, task) if names else [])
 
 
 def lock_page(
@@ -187,7 +186,7 @@ def overview(
 
 def read_lock(client: redis.Redis, prefix: str, key: str) -> Lock | None:
     """The lock at ``key`` (value and TTL read atomically), or None when there is none."""
-    if _split_key(prefix, key) is None:
+    if split_key(prefix, key) is None:
         return None
     pipe = client.pipeline(transaction=True)
     pipe.get(key)
@@ -195,13 +194,13 @@ def read_lock(client: redis.Redis, prefix: str, key: str) -> Lock | None:
     value, pttl = pipe.execute(raise_on_error=False)
     if isinstance(pttl, Exception) or pttl == -2:
         return None
-    return _to_lock(prefix, key, value, pttl, None)
+    return to_lock(prefix, key, value, pttl, None)
 
 
 def clear_lock(client: redis.Redis, prefix: str, key: str, owner: str) -> bool:
     """Delete the lock at ``key`` if ``owner`` still holds it (compare-and-delete in Lua: a
     successor's lock is never touched). True when it was deleted."""
-    if _split_key(prefix, key) is None or not owner:
+    if split_key(prefix, key) is None or not owner:
         return False
     return RedisStore(client).release(key, owner) is Outcome.OK
 

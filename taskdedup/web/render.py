@@ -9,9 +9,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Final
 from urllib.parse import urlencode
 
-from ..cli import _ttl_text
+from ..locks import Lock, ttl_text
 from ..stats import TaskStats
-from .data import STATES, Lock
+from .data import STATES
 
 __all__ = ["age_text", "esc", "page", "rate_chart", "table"]
 
@@ -100,7 +100,7 @@ def lock_rows(root: str, locks: Iterable[Lock], *, extra: Mapping[str, str] | No
         row = [
             link(root, "/lock", lock.key, key=lock.key),
             esc(lock.task), esc(lock.scope), esc(lock.state), f"<code>{esc(lock.owner)}</code>",
-            esc(_ttl_text(lock.ttl_ms)),
+            esc(ttl_text(lock.ttl_ms)),
         ]
         if extra is not None:
             row.append(esc(extra.get(lock.key, "")))
