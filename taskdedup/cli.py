@@ -508,7 +508,8 @@ def doctor_command(env: _Env, as_json: bool) -> None:
 
     Checks: the server's version (Redis 6.2+, Valkey 7.2+), its eviction policy (anything
     but noeviction under a memory limit deletes locks, and duplicates then run), script
-    permission, Cluster mode, and whether the user reaches keys under the prefix (ACL).
+    permission, Cluster mode, whether the user reaches keys under the prefix (ACL), and the
+    bitmap commands of approximate windows (a problem only where windows are in use).
     """
     from .doctor import diagnose
 

@@ -2,13 +2,15 @@
 
 Each check answers with a :class:`Finding`: the server's version (Redis 6.2+, Valkey 7.2+),
 its eviction policy (anything but ``noeviction`` under a memory limit deletes locks), whether
-the user may run scripts (EVAL, EVALSHA), Cluster mode, and whether the user reaches keys
-under the prefix (an ACL ``~{prefix}:*``). Nothing is left behind: the probe lock is
-released at once.
+the user may run scripts (EVAL, EVALSHA), Cluster mode, whether the user reaches keys under
+the prefix (an ACL ``~{prefix}:*``), and whether it may run the bitmap commands approximate
+windows use (a problem only where windows are in use under the prefix). Nothing is left
+behind: the probe lock is released and the probe bitmap deleted at once.
 """
 
 from __future__ import annotations
 
+import time
 import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -16,6 +18,7 @@ from typing import Any
 from redis.exceptions import NoPermissionError, RedisError, ResponseError
 
 from .exceptions import StoreUnavailableError
+from .locks import glob_escape
 from .stores.redis import RedisStore
 from .stores.server import EVICTION_FIX, eviction_problem, read_facts
 
@@ -45,7 +48,8 @@ def diagnose(client: Any, prefix: str) -> list[Finding]:
         redis.ConnectionError / redis.TimeoutError: the server cannot be reached at all.
     """
     client.ping()
-    return [*_server_checks(client), _script_check(client), _prefix_check(client, prefix)]
+    return [*_server_checks(client), _script_check(client), _prefix_check(client, prefix),
+            _window_check(client, prefix)]
 
 
 def _server_checks(client: Any) -> list[Finding]:
@@ -116,3 +120,49 @@ def _prefix_check(client: Any, prefix: str) -> Finding:
             return Finding("acl", False, f"a probe lock under {prefix}:* failed: {cause}")
         raise
     return Finding("acl", True, f"a probe lock under {prefix}:* was taken and released")
+
+
+# What an approximate window needs beyond a lock's commands: the scripts read and write the
+# slice bitmaps, ``taskdedup stats`` / the metrics read their fill (commands that a script
+# calls are checked against the user's ACL like any other).
+WINDOW_COMMANDS = ("getbit", "setbit", "bitfield", "exists", "pexpireat")
+WINDOW_STATS_COMMANDS = ("bitcount", "strlen")
+
+
+def _window_check(client: Any, prefix: str) -> Finding:
+    key = f"{prefix}:bloom:doctor:{uuid.uuid4().hex}"
+    expires_ms = int(time.time() * 1000) + 10_000
+    probes = {
+        "setbit": ("SETBIT", key, 7, 1), "getbit": ("GETBIT", key, 7),
+        "bitfield": ("BITFIELD", key, "GET", "u8", 0), "exists": ("EXISTS", key),
+        "pexpireat": ("PEXPIREAT", key, expires_ms), "bitcount": ("BITCOUNT", key),
+        "strlen": ("STRLEN", key),
+    }
+    pipe = client.pipeline(transaction=False)
+    for command in probes.values():
+        pipe.execute_command(*command)
+    pipe.delete(key)
+    replies = dict(zip(probes, pipe.execute(raise_on_error=False), strict=False))
+    denied = [name for name, reply in replies.items() if isinstance(reply, NoPermissionError)]
+    other = [reply for reply in replies.values()
+             if isinstance(reply, RedisError) and not isinstance(reply, NoPermissionError)]
+    if not denied and not other:
+        return Finding("windows", True, "approximate windows' bitmap commands are permitted")
+    problem = (f"this user may not run {', '.join(denied)}" if denied
+               else f"a probe bitmap under {prefix}:bloom:* failed: {other[0]}")
+    fix = f"allow {' '.join('+' + n for n in denied)} to the taskdedup user" if denied else ""
+    if _windows_in_use(client, prefix):
+        return Finding("windows", False, f"{problem}: approximate windows under {prefix}:* "
+                       "fail (their calls follow on_store_error)", fix)
+    return Finding("windows", True, f"{problem}; no approximate window is in use under "
+                   f"{prefix}:* (needed only if you add one)", fix)
+
+
+def _windows_in_use(client: Any, prefix: str) -> bool:
+    """Whether a slice bitmap exists under ``prefix`` (SCAN, stopping at the first)."""
+    try:
+        for _ in client.scan_iter(match=f"{glob_escape(prefix)}:bloom:*", count=1000):
+            return True
+    except RedisError:
+        return True  # cannot tell: report the problem
+    return False

@@ -22,6 +22,7 @@ __all__ = [
     "Lock",
     "batches",
     "delete_locks",
+    "glob_escape",
     "iter_locks",
     "key_text",
     "lock_pattern",
@@ -124,7 +125,8 @@ def key_text(value: bytes | str) -> str:
     return value.decode("utf-8", "surrogateescape") if isinstance(value, bytes) else value
 
 
-def _glob_escape(text: str) -> str:
+def glob_escape(text: str) -> str:
+    """``text`` matched literally in a SCAN pattern."""
     return re.sub(r"([\\*?\[\]])", r"\\\1", text)
 
 
@@ -167,8 +169,8 @@ def read_locks(
 def lock_pattern(prefix: str, task: str | None) -> str:
     """SCAN pattern for the locks of ``task`` (a superset, filtered after reading)."""
     if task is None:
-        return _glob_escape(prefix) + ":*"
-    return f"{_glob_escape(prefix)}:*{_glob_escape(task)}:*"
+        return glob_escape(prefix) + ":*"
+    return f"{glob_escape(prefix)}:*{glob_escape(task)}:*"
 
 
 def iter_locks(client: redis.Redis, prefix: str, task: str | None) -> Iterator[Lock]:

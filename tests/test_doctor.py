@@ -56,9 +56,10 @@ def test_doctor_passes_on_a_server_that_never_evicts(own: redis.Redis,
                                                      own_server: RedisServer) -> None:
     code, checks = doctor(own_server.url)
     assert code == 0
-    assert set(checks) == {"server", "eviction", "cluster", "scripts", "acl"}
+    assert set(checks) == {"server", "eviction", "cluster", "scripts", "acl", "windows"}
     assert all(c["ok"] for c in checks.values())
     assert own.keys("taskdedup:doctor:*") == []  # the probe lock was released
+    assert own.keys("taskdedup:bloom:*") == []  # and the probe bitmap deleted
 
 
 @pytest.mark.parametrize("policy", ["allkeys-lru", "volatile-ttl"])
@@ -138,3 +139,26 @@ def test_an_rq_worker_checks_the_server_before_it_forks_work_horses(
     policy = Policy(ttl=60)
     worker.dedup.gate("t", policy, worker.dedup.identity("t", policy, (1,)), "id-1")
     assert len(calls) == 1
+
+
+def test_doctor_names_the_window_commands_a_user_lacks_a_problem_only_where_windows_are_used(
+    own: redis.Redis, own_server: RedisServer,
+) -> None:
+    """Approximate windows run GETBIT/SETBIT/BITFIELD/EXISTS/PEXPIREAT inside their scripts
+    (an ACL applies there too) and BITCOUNT/STRLEN for their stats: a user without them
+    passes the lock checks, then every windowed call fails at completion."""
+    host_port = own_server.url.split("://", 1)[1]
+    own.execute_command("ACL", "SETUSER", "nobits", "on", ">pw", "~taskdedup:*", "+@all",
+                        "-setbit", "-bitfield", "-bitcount")
+    url = f"redis://nobits:pw@{host_port}"
+    code, checks = doctor(url)  # no window in use yet: said, but not a failure
+    assert code == 0 and checks["windows"]["ok"] is True
+    assert "setbit, bitfield, bitcount" in str(checks["windows"]["detail"])
+    assert "+setbit +bitfield +bitcount" in str(checks["windows"]["fix"])
+    own.set("taskdedup:bloom:app.charge:{5f1c09e2.0}:2880123", b"\0" * 16)  # a window's slice
+    code, checks = doctor(url)
+    assert code == 1 and checks["windows"]["ok"] is False
+    assert checks["acl"]["ok"] is True and checks["scripts"]["ok"] is True
+    assert own.keys("taskdedup:bloom:doctor:*") == []  # the probe bitmap never stays
+    code, checks = doctor(own_server.url)  # the default user may run them all
+    assert code == 0 and "permitted" in str(checks["windows"]["detail"])
