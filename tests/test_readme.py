@@ -1,5 +1,6 @@
 """The README's quick starts run as written (only the Redis address is swapped for the test
-server's), so they cannot rot."""
+server's), so they cannot rot. ``_block`` also serves the tests that run the code of a page
+under docs/ (tests/test_sql_docs.py)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,18 @@ from pathlib import Path
 import pytest
 import redis
 
-README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
 
 
-def _block(after_heading: str) -> str:
-    section = README.split(f"## {after_heading}", 1)[1]
-    match = re.search(r"```python\n(.*?)```", section, re.S)
-    assert match, f"no python block under {after_heading!r}"
-    return match.group(1)
+def _block(after_heading: str, path: Path = README) -> str:
+    """The first python block after the heading ``after_heading`` (any level) in ``path``."""
+    text = path.read_text()
+    match = re.search(rf"^#+ {re.escape(after_heading)}\n(.*)", text, re.M | re.S)
+    assert match, f"no heading {after_heading!r} in {path.name}"
+    block = re.search(r"```python\n(.*?)```", match.group(1), re.S)
+    assert block, f"no python block under {after_heading!r} in {path.name}"
+    return block.group(1)
 
 
 def test_celery_quick_start_runs(redis_url: str, redis_client: redis.Redis) -> None:
