@@ -178,3 +178,41 @@ print(json.dumps({"ids": [job.id for job in jobs], "cancelled": cancelled.id}))
     info = RedisStore(queues).get(keys[0])
     assert info is not None and info.state is LockState.DONE, info
     assert info.owner == ids[0]
+
+
+def test_django_rq_keeps_commit_mode_a_call_in_a_transaction_is_gated_when_it_commits(
+    project_env: dict[str, str],
+) -> None:
+    """django-rq's default COMMIT_MODE ("on_db_commit") holds an enqueue made inside
+    ``transaction.atomic()`` until the commit; DjangoDedupQueue holds the whole gated call,
+    so a rollback leaves neither a job nor a lock, and the transaction's two identical calls
+    make one job at the commit. (Plain DedupQueue enqueued at once, inside the transaction.)"""
+    queues = redis.Redis.from_url(project_env["REDIS_URL"])
+    sent = shell(project_env, """
+import json
+import django_rq
+from django.db import transaction
+from orders.jobs import reserve_stock
+queue = django_rq.get_queue("default")
+with transaction.atomic():
+    inside = [queue.enqueue(reserve_stock, "ORD-4", 1) for _ in range(2)]
+    queued_inside = queue.count
+try:
+    with transaction.atomic():
+        queue.enqueue(reserve_stock, "ORD-5", 1)
+        raise RuntimeError("rolled back")
+except RuntimeError:
+    pass
+after = queue.enqueue(reserve_stock, "ORD-4", 1)  # outside a transaction: at once
+print(json.dumps({"kind": type(queue).__name__, "inside": [j is None for j in inside],
+                  "queued_inside": queued_inside, "count": queue.count, "after": after.id}))
+""")
+    assert isinstance(sent, dict)
+    assert sent["kind"] == "DjangoDedupQueue"
+    assert sent["inside"] == [True, True] and sent["queued_inside"] == 0  # held to the commit
+    assert sent["count"] == 1  # the two calls of the transaction: one job
+    assert queues.lrange("rq:queue:default", 0, -1) == [sent["after"].encode()]  # a duplicate
+    keys = lock_keys(queues, "taskdedup:orders.jobs.reserve_stock:*")
+    assert len(keys) == 1, keys  # ORD-4's; the rolled-back ORD-5 reserved nothing
+    info = RedisStore(queues).get(keys[0])
+    assert info is not None and info.owner == sent["after"] and info.state is LockState.QUEUED

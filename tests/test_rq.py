@@ -672,3 +672,15 @@ def test_a_job_from_a_plain_queue_is_not_guarded(
     assert [ended(j) for j in jobs] == ["finished", "finished"]
     assert effects(rc, name) == ["0", "0"]
     assert not rc.exists(key_of(DedupQueue(QUEUE, connection=rc), rq_jobs.record, name))
+
+
+def test_a_queue_given_rq_s_plain_job_class_keeps_dedup_job(rc: redis.Redis) -> None:
+    """django-rq passes ``job_class=rq.job.Job`` to every queue unless told otherwise: the
+    queue keeps DedupJob, whose cancel and delete release the lock (a plain Job's would not)."""
+    for given in (Job, "rq.job.Job"):
+        assert DedupQueue(f"rq-jc-{label()}", connection=rc, job_class=given).job_class is DedupJob
+
+    class Custom(Job):
+        pass
+
+    assert DedupQueue(f"rq-jc-{label()}", connection=rc, job_class=Custom).job_class is Custom

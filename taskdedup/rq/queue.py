@@ -92,6 +92,8 @@ class DedupQueue(Queue):
             job_class=job_class, serializer=serializer, death_penalty_class=death_penalty_class,
             **kwargs,
         )
+        if self.job_class is Job:  # passed on by a framework (django-rq's default JOB_CLASS)
+            self.job_class = DedupJob  # keep what releases the lock on cancel and delete
         self.dedup_policy: Policy | None = Policy() if dedup is None else Policy.coerce(dedup)
         try:
             self.dedup: Deduplicator = get_deduplicator(self.connection, dedup_store, dedup_prefix)

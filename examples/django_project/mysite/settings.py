@@ -52,7 +52,9 @@ RQ_QUEUES = {
     "default": {"URL": REDIS_URL, "DEFAULT_TIMEOUT": 360},
 }
 RQ = {
-    "QUEUE_CLASS": "taskdedup.rq.DedupQueue",  # get_queue() gates enqueue and enqueue_call
+    # get_queue() gates enqueue and enqueue_call, and keeps django-rq's COMMIT_MODE (default
+    # "on_db_commit": a call made inside a transaction is enqueued when it commits).
+    "QUEUE_CLASS": "taskdedup.rq.django.DjangoDedupQueue",
     "JOB_CLASS": "taskdedup.rq.DedupJob",  # cancel/delete release the lock
     "WORKER_CLASS": "taskdedup.rq.DedupWorker",  # manage.py rqworker guards each job
 }

@@ -1,5 +1,6 @@
 """Functions enqueued on django-rq's queues. ``RQ["QUEUE_CLASS"]`` makes
-``django_rq.get_queue("default")`` a ``taskdedup.rq.DedupQueue``, so::
+``django_rq.get_queue("default")`` a ``taskdedup.rq.django.DjangoDedupQueue`` (a
+``DedupQueue`` that keeps django-rq's COMMIT_MODE), so::
 
     queue = django_rq.get_queue("default")
     job = queue.enqueue(reserve_stock, "ORD-1", 2)
