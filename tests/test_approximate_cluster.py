@@ -1,9 +1,12 @@
 """Approximate windows (SPEC §12) on the topologies of ``tests/test_topologies`` (Valkey; not
 in the version matrix, as that module): on the 3-master Redis Cluster the lock and the slices
 of its partition share a hash tag (one slot), and a task's slices spread over slots and nodes;
-an ACL user needs exactly the commands the README lists."""
+an ACL user needs exactly the commands docs/how-to/approximate-windows.md lists."""
 
 from __future__ import annotations
+
+import re
+from pathlib import Path
 
 import pytest
 import redis
@@ -59,10 +62,19 @@ def test_cluster_keeps_each_lock_with_its_slices_and_spreads_a_task_over_slots(
     assert dedup.gate(name, policy, fresh, "f").verdict is Verdict.ACCEPTED
 
 
-# -- ACL: the commands the README lists for approximate windows ---------------------------------
+# -- ACL: the commands docs/how-to/approximate-windows.md lists --------------------------------
 
 WINDOW_COMMANDS = ["+getbit", "+setbit", "+bitfield", "+exists", "+pexpireat"]
 STATS_COMMANDS = ["+bitcount", "+strlen", "+scan"]
+GUIDE = Path(__file__).resolve().parent.parent / "docs" / "how-to" / "approximate-windows.md"
+
+
+def test_the_guide_lists_exactly_these_commands() -> None:
+    """Its "Redis permissions" table: one row for the window, one for the stats."""
+    section = GUIDE.read_text().split("## Redis permissions", 1)[1]
+    rows = re.findall(r"^\|[^|]*\|((?: *`[A-Z]+`)+) *\|$", section, re.M)
+    listed = [["+" + c.lower() for c in re.findall(r"`([A-Z]+)`", row)] for row in rows]
+    assert listed == [WINDOW_COMMANDS, STATS_COMMANDS]
 
 
 def _approximate_round(store: RedisStore) -> None:
