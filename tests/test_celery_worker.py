@@ -405,3 +405,9 @@ def test_store_down_raises_before_enqueue_and_allow_proceeds(
     lenient.delay(1)
     assert rc.llen("it-down") == 1
     rc.delete("it-down")
+
+
+def test_the_worker_s_output_says_which_publish_path_the_app_took(worker: CeleryWorker) -> None:
+    """The choice is made when tasks are bound, before Celery sets up the worker's logging:
+    the worker says it again once its log is there (before, the INFO line went nowhere)."""
+    assert "taskdedup: Celery app 'tests': " in worker.output()

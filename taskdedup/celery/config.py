@@ -27,7 +27,7 @@ from ..stores.redis import RedisStore
 from . import _compat
 from .transport import TRANSPORT, RedisTransport
 
-__all__ = ["fused_producer", "fuses", "get_deduplicator", "own_store"]
+__all__ = ["fused_producer", "fuses", "get_deduplicator", "own_store", "say_publish_path"]
 
 
 def get_deduplicator(app: Celery) -> Deduplicator:
@@ -74,8 +74,19 @@ def fuses(app: Celery) -> bool:
     if cached is None:
         cached, why = _choose(app)
         app.__dict__["_taskdedup_fuses"] = cached
-        logger.info("taskdedup: Celery app %r: %s", app.main, why)
+        app.__dict__["_taskdedup_fuses_why"] = why
+        say_publish_path(app)
     return cached
+
+
+def say_publish_path(app: Celery) -> None:
+    """Log the publish path chosen for ``app`` (INFO); nothing when none was chosen yet.
+
+    Said when the choice is made, and again by a worker once its logging is set up (the
+    choice is made when tasks are bound, before Celery configures a worker's logging)."""
+    why = app.__dict__.get("_taskdedup_fuses_why")
+    if why is not None:
+        logger.info("taskdedup: Celery app %r: %s", app.main, why)
 
 
 def _choose(app: Celery) -> tuple[bool, str]:

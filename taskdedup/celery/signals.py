@@ -19,7 +19,7 @@ from .. import running, stats
 from ..policy import Mode
 from . import _compat, claims
 from ._message import HEADER, SKIPPED, STATE_ATTR, request_header
-from .config import get_deduplicator
+from .config import get_deduplicator, say_publish_path
 from .task import DedupTask
 
 __all__: list[str] = []
@@ -165,5 +165,13 @@ signals.task_revoked.connect(_on_revoked, weak=False)
 signals.task_internal_error.connect(_on_internal_error, weak=False)
 signals.task_received.connect(lambda request=None, **_: claims.receive(request), weak=False)
 signals.task_postrun.connect(_on_postrun, weak=False)
+# The publish path is chosen when tasks are bound, before Celery sets up a worker's logging:
+# say it again where the operator reads the worker's output.
+def _on_worker_setup(sender: Any = None, instance: Any = None, **_: Any) -> None:
+    if instance is not None:
+        say_publish_path(instance.app)
+
+
+signals.celeryd_after_setup.connect(_on_worker_setup, weak=False)
 # Pool processes exit without atexit handlers: flush the last counts explicitly.
 signals.worker_process_shutdown.connect(lambda **_: stats.flush_before_exit(), weak=False)
