@@ -273,3 +273,62 @@ def test_operating_guide_lists_exactly_the_acl_commands_the_fault_suite_checks()
         c.lstrip("+") for c in ACL_COMMANDS)
     rule = " ".join(sorted(ACL_COMMANDS))
     assert all(c in section for c in rule.split())
+
+
+# -- the tutorial runs as written -------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_tutorial_runs_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its files and interactive sessions (doctest), against a server of its own on another
+    port, with a real Celery worker and a real RQ worker."""
+    import doctest
+
+    from taskdedup import stats
+    from taskdedup.testing import RedisServer
+
+    text = (DOCS / "tutorial.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    files, sessions = [b for b in blocks if ">>>" not in b], [b for b in blocks if ">>>" in b]
+    assert len(files) == 2 and len(sessions) == 5
+    bindir = Path(sys.executable).parent
+    with RedisServer() as server:
+        port = str(server.port)
+
+        def local(code: str) -> str:
+            return code.replace("6379", port).replace("Redis()", f"Redis(port={port})")
+
+        (tmp_path / "tasks.py").write_text(local(files[0]))
+        (tmp_path / "jobs.py").write_text(local(files[1]))
+        monkeypatch.syspath_prepend(str(tmp_path))
+        env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+        namespace: dict[str, object] = {}
+
+        def run(session: str, name: str) -> None:
+            test = doctest.DocTestParser().get_doctest(local(session), namespace, name, None, 0)
+            runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+            output: list[str] = []
+            runner.run(test, out=output.append, clear_globs=False)
+            namespace.update(test.globs)
+            assert runner.failures == 0, "".join(output)
+
+        worker = subprocess.Popen(
+            [str(bindir / "celery"), "-A", "tasks", "worker", "--loglevel=warning",
+             "--pool=solo"], cwd=tmp_path, env=env,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            for i, session in enumerate(sessions[:3]):
+                run(session, f"tutorial celery {i + 3}")
+        finally:
+            worker.terminate()
+            worker.wait(timeout=30)
+            for module in ("tasks", "jobs"):
+                sys.modules.pop(module, None)
+        run(sessions[3], "tutorial rq enqueue")
+        subprocess.run(
+            [str(bindir / "rq"), "worker", "-w", "taskdedup.rq.DedupWorker", "--job-class",
+             "taskdedup.rq.DedupJob", "--burst", "--url", server.url, "emails"],
+            cwd=tmp_path, env=env, check=True, capture_output=True, timeout=120)
+        run(sessions[4], "tutorial rq worker")
+        sys.modules.pop("jobs", None)
+        stats.flush_all()  # this process's counts, while their server still runs
