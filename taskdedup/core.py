@@ -191,8 +191,9 @@ class Deduplicator:
     ) -> list[GateResult | IdempotencyKeyMismatch | StoreUnavailableError]:
         """:meth:`gate` for many calls, their reservations in one pipeline round trip.
 
-        Uses the store's ``reserve_many`` when it has one (RedisStore, MemoryStore); calls
-        whose policy says ``on_duplicate="replace"`` are gated one by one. Each call is
+        Uses the store's ``reserve_many`` when it has one (RedisStore, MemoryStore), calls
+        under an approximate window included (their probes ride along); calls whose policy
+        says ``on_duplicate="replace"`` are gated one by one. Each call is
         reported as :meth:`gate` reports it, and answered in order: a GateResult, or the
         error :meth:`gate` would have raised for it, as a value, so the integration can
         still publish the others.
@@ -202,7 +203,7 @@ class Deduplicator:
         bulk: Callable[..., list[LockResult]] | None = getattr(self.store, "reserve_many", None)
         batched = [] if bulk is None else [
             i for i, call in enumerate(calls)
-            if call.policy.on_duplicate is not OnDuplicate.REPLACE and call.policy.window is None
+            if call.policy.on_duplicate is not OnDuplicate.REPLACE
         ]
         # One pipeline per kind of call (fresh or not: nearly always one kind).
         groups = [[i for i in batched if calls[i].fresh is fresh] for fresh in (False, True)]
@@ -225,7 +226,10 @@ class Deduplicator:
     ) -> None:
         """The calls ``batched`` (indexes into ``calls``) in one ``reserve_many``."""
         if batched:
-            extra = {"fresh": True} if fresh else {}
+            extra: dict[str, Any] = {"fresh": True} if fresh else {}
+            windows = [window_probe(calls[i].policy, calls[i].identity.key) for i in batched]
+            if any(w is not None for w in windows):
+                extra["windows"] = windows
             started = time.perf_counter()
             try:
                 locks = bulk([(calls[i].identity.key, calls[i].owner, calls[i].ttl_ms,

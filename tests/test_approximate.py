@@ -396,21 +396,46 @@ def test_each_step_under_a_window_is_one_round_trip(
     assert redis_client.lrange("approx-q", 0, -1) == [b"m1"]  # the duplicate pushed nothing
 
 
-def test_gate_many_gates_approximate_calls_one_by_one_with_the_window(
-    redis_client: redis.Redis,
+def test_gate_many_gates_approximate_calls_in_one_round_trip_with_the_window(
+    env: Env, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A batch (a Celery group, RQ's enqueue_many) of windowed calls: every reservation,
+    window probe included, in one reserve_many; a remembered identity is a duplicate with no
+    original id, a fresh one and an exact-window call beside them are accepted."""
     from taskdedup.core import GateCall
 
-    dedup = Deduplicator(RedisStore(redis_client))
-    key = run(Env(dedup.store, lambda s: None), POLICY, "many", "t1")
+    dedup = env.dedup
+    key = run(env, POLICY, "many", "t1")
+    exact = Policy(ttl=40)
     calls = [
         GateCall(NAME, POLICY, dedup.identity(NAME, POLICY, ("many",)), "t2", POLICY.ttl_ms),
         GateCall(NAME, POLICY, dedup.identity(NAME, POLICY, ("other",)), "t3", POLICY.ttl_ms),
+        GateCall(NAME, exact, dedup.identity(NAME, exact, ("many",)), "t4", exact.ttl_ms),
     ]
+    bulk: list[Any] = []
+    single: list[Any] = []
+    one, many = type(env.store).reserve, type(env.store).reserve_many
+
+    def reserve(store: Any, *args: Any, **kwargs: Any) -> Any:
+        single.append(args)
+        return one(store, *args, **kwargs)
+
+    def reserve_many(store: Any, *args: Any, **kwargs: Any) -> Any:
+        bulk.append(kwargs.get("windows"))
+        return many(store, *args, **kwargs)
+
+    monkeypatch.setattr(type(env.store), "reserve", reserve)
+    monkeypatch.setattr(type(env.store), "reserve_many", reserve_many)
     answers = dedup.gate_many(calls)
-    assert [a.verdict for a in answers] == [  # type: ignore[union-attr]
-        Verdict.DUPLICATE, Verdict.ACCEPTED]
+    assert [(a.verdict, a.existing_id) for a in answers] == [  # type: ignore[union-attr]
+        (Verdict.DUPLICATE, None), (Verdict.ACCEPTED, None), (Verdict.ACCEPTED, None)]
     assert calls[0].identity.key == key
+    assert single == [] and len(bulk) == 1  # one reserve_many, nothing one by one
+    windows = bulk[0]
+    assert windows is not None and [w is None for w in windows] == [False, False, True]
+    single.clear()
+    again = dedup.gate(NAME, POLICY, calls[1].identity, "t5")  # t3's reservation holds
+    assert (again.verdict, again.existing_id) == (Verdict.DUPLICATE, "t3") and single
 
 
 def test_celery_eager_mode_runs_once_and_a_remembered_duplicate_returns_none() -> None:

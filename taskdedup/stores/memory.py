@@ -346,10 +346,12 @@ class MemoryStore:
     # -- beyond the protocol (RedisStore has the same) -------------------------------------
 
     def reserve_many(
-        self, items: Sequence[tuple[str, str, int, str]], *, fresh: bool = False
+        self, items: Sequence[tuple[str, str, int, str]], *, fresh: bool = False,
+        windows: Sequence[Probe | None] | None = None,
     ) -> list[LockResult]:
         """:meth:`reserve` each ``(key, owner, ttl_ms, check)``; one result per item, in order.
-        ``fresh`` applies to every item (see :meth:`taskdedup.stores.Store.reserve`).
+        ``fresh`` applies to every item (see :meth:`taskdedup.stores.Store.reserve`);
+        ``windows``: as RedisStore's.
 
         All items are checked first, then reserved under one lock acquisition (atomic as a
         batch here; RedisStore only promises each item is atomic).
@@ -358,11 +360,15 @@ class MemoryStore:
             check_owner(owner)
             check_ms("ttl_ms", ttl_ms)
             check_check(check)
+        if windows is not None and len(windows) != len(items):
+            raise ValueError("reserve_many: one window (or None) per item")
+        probes = [None] * len(items) if windows is None else windows
         with self._lock:
             now = self._clock()
             return [
-                self._reserve(key, owner, ttl_ms, check, now, replace=False, fresh=fresh)
-                for key, owner, ttl_ms, check in items
+                self._reserve(key, owner, ttl_ms, check, now, replace=False, fresh=fresh,
+                              window=window)
+                for (key, owner, ttl_ms, check), window in zip(items, probes, strict=True)
             ]
 
     def scan(self, match_prefix: str, count: int = 1000) -> Iterator[str]:

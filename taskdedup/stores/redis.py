@@ -413,10 +413,12 @@ class RedisStore:
         server.warn_once(self.client, describe_client(self.client))
 
     def reserve_many(
-        self, items: Sequence[tuple[str, str, int, str]], *, fresh: bool = False
+        self, items: Sequence[tuple[str, str, int, str]], *, fresh: bool = False,
+        windows: Sequence[Probe | None] | None = None,
     ) -> list[LockResult]:
         """:meth:`reserve` each ``(key, owner, ttl_ms, check)`` in one pipeline round trip;
-        ``fresh`` applies to every item (see :meth:`taskdedup.stores.Store.reserve`).
+        ``fresh`` applies to every item (see :meth:`taskdedup.stores.Store.reserve`);
+        ``windows``, one per item where given: its approximate window's probe, or None.
 
         Returns one result per item, in order. Each item is atomic on its own; the batch is
         not a transaction. Batches larger than :attr:`bulk_chunk` take one round trip per
@@ -434,19 +436,29 @@ class RedisStore:
             check_owner(owner)
             check_ms("ttl_ms", ttl_ms)
             check_check(check)
+        if windows is not None and len(windows) != len(items):
+            raise ValueError("reserve_many: one window (or None) per item")
         results: list[LockResult] = []
         chunk = self.bulk_chunk
         for start in range(0, len(items), chunk):
-            results.extend(self._reserve_chunk(items[start : start + chunk], fresh))
+            results.extend(self._reserve_chunk(
+                items[start : start + chunk], fresh,
+                None if windows is None else windows[start : start + chunk]))
         return results
 
     def _reserve_chunk(
-        self, items: Sequence[tuple[str, str, int, str]], fresh: bool = False
+        self, items: Sequence[tuple[str, str, int, str]], fresh: bool = False,
+        windows: Sequence[Probe | None] | None = None,
     ) -> list[LockResult]:
         script = self._reserve
         flag = "1" if fresh else "0"
         results: list[LockResult | None] = [None] * len(items)
         pending: Sequence[int] = range(len(items))
+        # KEYS and ARGV per item: the lock (and a window's live slices), then the arguments
+        calls: list[tuple[Any, ...]] = []
+        for index, (key, owner, ttl_ms, check) in enumerate(items):
+            keys, extra = window_keys(key, None if windows is None else windows[index])
+            calls.append((len(keys), *keys, owner, ttl_ms, check, flag, *extra))
         try:
             for _attempt in range(2):
                 load = not self._bulk_ready
@@ -456,9 +468,8 @@ class RedisStore:
                     self.client.script_load(script.script)
                     self._bulk_ready, load = True, False
                 sha = script.sha
-                commands: list[tuple[Any, ...]] = [
-                    ("EVALSHA", sha, 1, *items[index], flag) for index in pending
-                ]
+                commands: list[tuple[Any, ...]] = [("EVALSHA", sha, *calls[index])
+                                                   for index in pending]
                 if load:
                     commands.insert(0, ("SCRIPT", "LOAD", script.script))
                 replies = self._exchange(commands)
