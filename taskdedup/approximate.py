@@ -6,7 +6,7 @@ by Lua) and its exact lock is deleted, so a remembered identity costs ~1-2 bytes
 key. A new call checks the live slices and the exact lock in the same script as the
 reservation (one round trip).
 
-Sizing (documented in the README):
+Sizing (docs/how-to/approximate-windows.md):
 
 * ``slices`` = S: time is cut in slices of ``ttl / S``; an identity added in slice ``i`` stays
   checkable while slices ``i .. i + S`` are current, so it is remembered at least ``ttl`` and

@@ -32,7 +32,7 @@ __all__ = [
 
 
 class Mode(StrEnum):
-    """When the identity is gated and when its lock is released (see the README's modes table)."""
+    """When the identity is gated and when its lock is released (docs/reference/policy.md)."""
 
     UNTIL_EXECUTING = "until_executing"
     """Enqueue gated; released when a worker starts the task."""
@@ -60,7 +60,7 @@ class OnDuplicate(StrEnum):
     RAISE = "raise"
     """:class:`~taskdedup.DuplicateTaskError` with ``.key`` and ``.existing_id``."""
     DROP = "drop"
-    """``None``; logged at INFO."""
+    """``None``; logged at DEBUG (it is counted: ``taskdedup stats``)."""
     REPLACE = "replace"
     """Debounce: the queued original is revoked and the new call takes its place."""
 

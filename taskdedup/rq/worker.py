@@ -63,7 +63,7 @@ class DedupWorker(Worker):
             raise ConfigurationError(
                 f"DedupWorker cannot guard jobs on this RQ release: rq.worker.Worker lacks "
                 f"{', '.join(missing)} as taskdedup knows them; install an RQ release taskdedup "
-                "supports (see the README)"
+                "supports (docs/reference/versions.md)"
             )
         super().__init__(*args, **kwargs)
         self.dedup: Deduplicator = get_deduplicator(self.connection, dedup_store)
