@@ -8,8 +8,10 @@ rolls back. ``RQ["QUEUE_CLASS"] = "taskdedup.rq.DedupQueue"`` would lose that si
 ``"taskdedup.rq.django.DjangoDedupQueue"``. The whole gated call is deferred — the
 reservation too — so a rolled-back transaction leaves no lock behind, and duplicates made
 inside one transaction are gated against each other when it commits. A deferred call
-returns ``None``, as django-rq's does. ``"request_finished"`` and ``"auto"`` behave as in
-django-rq. Needs Django and django-rq (imported here, not by :mod:`taskdedup.rq`).
+returns ``None``, as django-rq's does; an error of the deferred call (``on_duplicate="raise"``,
+the store down) is raised where Django runs the commit callbacks, after the commit, as for
+any ``on_commit`` callback. ``"request_finished"`` and ``"auto"`` behave as in django-rq.
+Needs Django and django-rq 4.0+ (imported here, not by :mod:`taskdedup.rq`).
 """
 
 from __future__ import annotations
@@ -19,10 +21,18 @@ from typing import Any
 
 from django.db import connection, transaction
 from django_rq import thread_queue
-from django_rq.queues import VALID_COMMIT_MODES, get_commit_mode, get_result_ttl
 from django_rq.settings import QUEUES
 
 from ..exceptions import ConfigurationError
+
+try:
+    from django_rq.queues import VALID_COMMIT_MODES, get_commit_mode, get_result_ttl
+except ImportError as exc:  # django-rq < 4.0: AUTOCOMMIT, no COMMIT_MODE
+    raise ConfigurationError(
+        "taskdedup.rq.django needs django-rq 4.0 or later (its COMMIT_MODE); with an older "
+        "django-rq use RQ['QUEUE_CLASS'] = 'taskdedup.rq.DedupQueue' and enqueue from "
+        "transaction.on_commit"
+    ) from exc
 from ..policy import PolicyLike
 from .queue import DedupQueue
 
