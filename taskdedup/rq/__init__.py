@@ -25,8 +25,10 @@ Jobs without ``meta["taskdedup"]`` (enqueued by a plain ``Queue``, ``enqueue_man
 ``enqueue_job``) are not guarded: the worker never guesses a policy.
 
 Modules: ``config`` (which Deduplicator), ``meta`` (what travels in ``job.meta``), ``call``
-(the identity of an RQ call), ``job``, ``queue``, ``worker``, and ``_compat`` (what differs
-between RQ releases, and every private detail of RQ or redis-py this package relies on).
+(the identity of an RQ call), ``job``, ``queue``, ``worker``, ``logs`` (our records in ``rq
+worker``'s output), ``django`` (``DjangoDedupQueue`` for django-rq; imported only by those who
+name it), and ``_compat`` (what differs between RQ releases, and every private detail of RQ
+or redis-py this package relies on).
 """
 
 from __future__ import annotations
