@@ -216,3 +216,31 @@ print(json.dumps({"kind": type(queue).__name__, "inside": [j is None for j in in
     assert len(keys) == 1, keys  # ORD-4's; the rolled-back ORD-5 reserved nothing
     info = RedisStore(queues).get(keys[0])
     assert info is not None and info.owner == sent["after"] and info.state is LockState.QUEUED
+
+
+def test_django_rq_request_finished_mode_enqueues_the_gated_calls_when_the_request_ends(
+    project_env: dict[str, str],
+) -> None:
+    """COMMIT_MODE "request_finished": django-rq keeps the calls in a thread-local list and
+    its request_finished handler (``thread_queue.commit``) enqueues them; DjangoDedupQueue's
+    calls, gate included, wait there too, and two identical ones make one job."""
+    queues = redis.Redis.from_url(project_env["REDIS_URL"])
+    sent = shell(project_env, """
+import json
+import django_rq
+from django_rq import thread_queue
+from orders.jobs import reserve_stock
+from taskdedup.rq.django import DjangoDedupQueue
+queue = DjangoDedupQueue("default", connection=django_rq.get_connection("default"),
+                         commit_mode="request_finished")
+held = [queue.enqueue(reserve_stock, "ORD-6", 1) is None for _ in range(2)]
+before = queue.count
+thread_queue.commit()  # what django-rq connects to request_finished in this mode
+print(json.dumps({"held": held, "before": before, "after": queue.count}))
+""")
+    assert sent == {"held": [True, True], "before": 0, "after": 1}
+    keys = lock_keys(queues, "taskdedup:orders.jobs.reserve_stock:*")
+    assert len(keys) == 1, keys
+    (job_id,) = [j.decode() for j in queues.lrange("rq:queue:default", 0, -1)]
+    info = RedisStore(queues).get(keys[0])
+    assert info is not None and info.owner == job_id
