@@ -165,9 +165,11 @@ signals.task_revoked.connect(_on_revoked, weak=False)
 signals.task_internal_error.connect(_on_internal_error, weak=False)
 signals.task_received.connect(lambda request=None, **_: claims.receive(request), weak=False)
 signals.task_postrun.connect(_on_postrun, weak=False)
-# The publish path is chosen when tasks are bound, before Celery sets up a worker's logging:
-# say it again where the operator reads the worker's output.
+
+
 def _on_worker_setup(sender: Any = None, instance: Any = None, **_: Any) -> None:
+    """The publish path is chosen when tasks are bound, before Celery sets up a worker's
+    logging: say it again where the operator reads the worker's output."""
     if instance is not None:
         say_publish_path(instance.app)
 
