@@ -244,3 +244,32 @@ print(json.dumps({"held": held, "before": before, "after": queue.count}))
     (job_id,) = [j.decode() for j in queues.lrange("rq:queue:default", 0, -1)]
     info = RedisStore(queues).get(keys[0])
     assert info is not None and info.owner == job_id
+
+
+def test_the_dashboard_is_served_beside_django_from_one_asgi_app(
+    project_env: dict[str, str],
+) -> None:
+    """``mysite/asgi.py``: the dashboard under /ops/taskdedup shows the project's locks (its
+    prefix, its lock store), and Django still answers every other path."""
+    sent = shell(project_env, """
+import json
+from orders.tasks import charge_order
+from starlette.testclient import TestClient
+from mysite.asgi import application, dashboard
+charge_order.delay("ORD-7", 700)  # a lock under the mysite prefix (no worker: it stays queued)
+try:
+    web = TestClient(application, base_url="http://localhost")  # in ALLOWED_HOSTS
+    home = web.get("/ops/taskdedup/")
+    locks = web.get("/ops/taskdedup/locks", params={"task": "orders.tasks.charge_order"})
+    health, missing = web.get("/health/"), web.get("/no-such-page/")
+    print(json.dumps({"home": home.status_code, "locks": locks.text,
+                      "health": [health.status_code, health.text],
+                      "missing": missing.status_code}))
+finally:
+    dashboard.state.dashboard.history.stop()
+""")
+    assert isinstance(sent, dict)
+    assert sent["home"] == 200
+    assert "orders.tasks.charge_order" in sent["locks"] and "queued" in sent["locks"]
+    assert "mysite:orders.tasks.charge_order:" in sent["locks"]  # the project's prefix
+    assert sent["health"] == [200, "ok"] and sent["missing"] == 404  # Django's own paths

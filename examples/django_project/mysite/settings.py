@@ -20,6 +20,9 @@ INSTALLED_APPS = [
     "orders",
 ]
 
+ROOT_URLCONF = "mysite.urls"
+ASGI_APPLICATION = "mysite.asgi.application"  # Django and taskdedup's dashboard (asgi.py)
+
 DATABASES = {
     "default": {
         "ENGINE": "django.db.backends.sqlite3",
