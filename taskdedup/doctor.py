@@ -122,14 +122,10 @@ def _prefix_check(client: Any, prefix: str) -> Finding:
     return Finding("acl", True, f"a probe lock under {prefix}:* was taken and released")
 
 
-# What an approximate window needs beyond a lock's commands: the scripts read and write the
-# slice bitmaps, ``taskdedup stats`` / the metrics read their fill (commands that a script
-# calls are checked against the user's ACL like any other).
-WINDOW_COMMANDS = ("getbit", "setbit", "bitfield", "exists", "pexpireat")
-WINDOW_STATS_COMMANDS = ("bitcount", "strlen")
-
-
 def _window_check(client: Any, prefix: str) -> Finding:
+    """What an approximate window needs beyond a lock's commands: its scripts read and write
+    the slice bitmaps (a script's commands are checked against the user's ACL like any
+    other), ``taskdedup stats`` and the metrics read their fill. Each is probed by name."""
     key = f"{prefix}:bloom:doctor:{uuid.uuid4().hex}"
     expires_ms = int(time.time() * 1000) + 10_000
     probes = {

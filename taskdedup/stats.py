@@ -43,6 +43,7 @@ import redis
 
 from .events import DedupEvent, Event, logger
 from .exceptions import ConfigurationError
+from .locks import glob_escape, key_text
 from .stores.redis import RedisStore, describe_client
 
 if TYPE_CHECKING:
@@ -494,14 +495,6 @@ class TaskStats:
         }
 
 
-def _text(value: bytes | str) -> str:
-    return value.decode("utf-8", "surrogateescape") if isinstance(value, bytes) else value
-
-
-def _glob_escape(text: str) -> str:
-    return re.sub(r"([\\*?\[\]])", r"\\\1", text)
-
-
 def read_stats(
     client: redis.Redis, prefix: str = "taskdedup", task: str | None = None
 ) -> dict[str, TaskStats]:
@@ -517,7 +510,7 @@ def read_stats(
     if task is not None:
         keys: Iterable[Any] = [stats_key(prefix, task)]
     else:
-        keys = client.scan_iter(match=_glob_escape(head) + "*", count=1000)
+        keys = client.scan_iter(match=glob_escape(head) + "*", count=1000)
     out: dict[str, TaskStats] = {}
     batch: list[str] = []
 
@@ -532,12 +525,12 @@ def read_stats(
                 raise reply
             if not reply:
                 continue  # gone since the SCAN
-            fields = {_text(k): int(v) for k, v in reply.items()}
+            fields = {key_text(k): int(v) for k, v in reply.items()}
             name = key[len(head):]
             out[name] = TaskStats(name, fields)
 
     for key in keys:
-        batch.append(_text(key))
+        batch.append(key_text(key))
         if len(batch) >= _READ_BATCH:
             read(batch)
             batch = []
@@ -622,9 +615,9 @@ def read_windows(
     Raises:
         redis.RedisError: Redis could not be reached or refused a command.
     """
-    pattern = f"{_glob_escape(prefix)}:bloom:"
-    pattern += f"*{_glob_escape(task)}:{{*" if task is not None else "*"
-    keys = [_text(k) for k in client.scan_iter(match=pattern, count=1000)]
+    pattern = f"{glob_escape(prefix)}:bloom:"
+    pattern += f"*{glob_escape(task)}:{{*" if task is not None else "*"
+    keys = [key_text(k) for k in client.scan_iter(match=pattern, count=1000)]
     slices: dict[str, list[tuple[int, int, list[int]]]] = {}
     for start in range(0, len(keys), _READ_BATCH):
         batch = keys[start : start + _READ_BATCH]

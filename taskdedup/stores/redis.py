@@ -455,10 +455,12 @@ class RedisStore:
         results: list[LockResult | None] = [None] * len(items)
         pending: Sequence[int] = range(len(items))
         # KEYS and ARGV per item: the lock (and a window's live slices), then the arguments
-        calls: list[tuple[Any, ...]] = []
-        for index, (key, owner, ttl_ms, check) in enumerate(items):
-            keys, extra = window_keys(key, None if windows is None else windows[index])
-            calls.append((len(keys), *keys, owner, ttl_ms, check, flag, *extra))
+        calls: list[tuple[Any, ...]] = [(1, *item, flag) for item in items]
+        for index, window in enumerate(windows or ()):
+            if window is not None:
+                key, owner, ttl_ms, check = items[index]
+                keys, extra = window_keys(key, window)
+                calls[index] = (len(keys), *keys, owner, ttl_ms, check, flag, *extra)
         try:
             for _attempt in range(2):
                 load = not self._bulk_ready
