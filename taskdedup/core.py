@@ -11,6 +11,7 @@ Each of these is one store transition (one Redis round trip). Decisions about st
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -37,6 +38,9 @@ __all__ = [
 ]
 
 DEFAULT_PREFIX = "taskdedup"
+MAX_KEY_LENGTH = 512
+"""The longest lock key taken from a message (ours are well under 200 characters)."""
+_DIGEST = re.compile(r"[0-9a-f]{32}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +150,28 @@ class Deduplicator:
         if scope:
             return f"{self.prefix}:{scope}:{name}:{digest}"
         return f"{self.prefix}:{name}:{digest}"
+
+    def trusted_key(self, name: str, policy: Policy, carried: Any) -> str | None:
+        """``carried`` (a lock key read from a message header or a job's meta) when it is one
+        this process could have made for task ``name`` under ``policy``: a ``str`` of at most
+        :data:`MAX_KEY_LENGTH` characters, ``{prefix}:{scope}:{task}:`` and a digest (under
+        an approximate window, the partition's hash tag and a digest). Else None: the caller
+        recomputes the identity from the arguments (SPEC §8, input is not trusted), so a
+        forged header can neither hijack another task's lock nor bypass this one's."""
+        if type(carried) is not str or len(carried) > MAX_KEY_LENGTH:
+            return None
+        base = self.lock_key(name, "", policy.scope)
+        if not carried.startswith(base):
+            return None
+        rest = carried[len(base):]
+        if policy.window is None:
+            return carried if _DIGEST.fullmatch(rest) else None
+        digest = rest[-32:]
+        if not _DIGEST.fullmatch(digest) or carried != approximate.lock_key(
+            self.prefix, policy.scope, name, digest, policy.window
+        ):
+            return None
+        return carried
 
     # -- enqueue --------------------------------------------------------------------------
 
