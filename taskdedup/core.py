@@ -62,6 +62,12 @@ class Verdict(StrEnum):
     """on_duplicate=replace displaced the queued ``existing_id``; go ahead and revoke it."""
     UNGUARDED = "unguarded"
     """The store was unavailable and on_store_error='allow': go ahead without dedup."""
+    DEFERRED = "deferred"
+    """Worker only: this very id runs now (another copy of its message, its lease live): do
+    not run, do not fail, do not count a retry; try again later (SPEC §5)."""
+    FINISHED = "finished"
+    """Worker only: this very id already succeeded (a redelivery after success): end without
+    a new outcome, no result, no callbacks (SPEC §5)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -320,6 +326,8 @@ class Deduplicator:
         # existing None with DONE: an approximate window's filter remembers the identity
         detail = "window" if existing is None and result.state is LockState.DONE else None
         self._emit(Event.DUPLICATE, name, key, owner, existing, detail, seconds)
+        if existing is None and result.state is None:
+            self.foreign(name, key, owner, "enqueue")
         return GateResult(Verdict.DUPLICATE, existing, result.state)
 
     def _forget_reservation(self, key: str, owner: str) -> None:
@@ -363,14 +371,36 @@ class Deduplicator:
             self._emit(Event.CLAIMED, name, key, owner)
             self.heartbeat().add(name, key, owner, policy.lease_ms)
             return StartResult(Verdict.ACCEPTED)
+        if result.owner == owner and result.state is LockState.RUNNING:
+            self._emit(Event.DEFERRED, name, key, owner, owner, "copy")
+            logger.info("taskdedup: %s[%s] is running in another copy of its message (a "
+                        "broker redelivery while it runs): this copy waits", name, owner)
+            return StartResult(Verdict.DEFERRED, owner, result.state)
         state = result.state.value if result.state else "?"
         self._emit(Event.SKIPPED, name, key, owner, result.owner, state)
-        logger.debug(
-            "taskdedup: skipped %s[%s]: identity %s is %s by %s",
-            name, owner, key, _STATE_WORDS.get(result.state, "held") if result.state else "held",
-            result.owner,
-        )
+        if result.owner == owner:
+            logger.info("taskdedup: %s[%s] already succeeded: this redelivered copy ends "
+                        "without running again", name, owner)
+            return StartResult(Verdict.FINISHED, owner, result.state)
+        if result.state is None:
+            self.foreign(name, key, owner, "start")
+        else:
+            logger.debug(
+                "taskdedup: skipped %s[%s]: identity %s is %s by %s",
+                name, owner, key, _STATE_WORDS.get(result.state, "held"), result.owner,
+            )
         return StartResult(Verdict.DUPLICATE, result.owner, result.state)
+
+    def foreign(self, name: str, key: str, owner: str | None, where: str) -> None:
+        """A lock key holds a value taskdedup did not write, and it blocked ``owner`` at
+        ``where`` (enqueue or start): WARNING naming the key, counted (SPEC §8)."""
+        self._emit(Event.FOREIGN, name, key, owner, detail=where)
+        logger.warning(
+            "taskdedup: %s[%s] was blocked at %s by %s, which holds a value taskdedup did not "
+            "write (another program's key under the prefix?); look at it with `taskdedup "
+            "inspect --key %s` and remove it with `taskdedup clear --key %s`",
+            name, owner, where, key, key, key,
+        )
 
     def finish(self, name: str, policy: Policy, key: str, owner: str, *, success: bool) -> None:
         """The body is over: complete (success) or release (final failure).
@@ -384,13 +414,15 @@ class Deduplicator:
             if self._release(name, key, owner, "failed") is Outcome.NOT_OWNER:
                 self._emit(Event.LEASE_LOST, name, key, owner, detail="release")
             return
-        ttl_ms = policy.ttl_ms if policy.mode is Mode.UNTIL_EXPIRED else 0
         probe = window_probe(policy, key)
         try:
             if probe is not None:
                 outcome = self._remember(name, key, owner, probe)
-            else:
-                outcome = self.store.complete(key, owner, ttl_ms)
+            elif policy.mode is Mode.UNTIL_EXPIRED:
+                outcome = self.store.complete(key, owner, policy.ttl_ms)
+            else:  # the identity is free again; a tombstone tells this id's copies it ran
+                outcome = self.store.complete(key, owner, 0,  # type: ignore[call-arg]
+                                              finished_ms=policy.lease_ms)
         except StoreUnavailableError as exc:
             self._emit(Event.STORE_ERROR, name, key, owner, detail="complete")
             logger.warning("taskdedup: could not complete %s[%s]: %s", name, owner, exc)
@@ -503,7 +535,8 @@ class Deduplicator:
         self.events.emit(DedupEvent(event, name, key, owner, existing_id, detail, seconds))
 
 
-_STATE_WORDS = {LockState.QUEUED: "queued", LockState.RUNNING: "running", LockState.DONE: "done"}
+_STATE_WORDS = {LockState.QUEUED: "queued", LockState.RUNNING: "running", LockState.DONE: "done",
+                LockState.FINISHED: "finished"}
 
 
 def window_probe(policy: Policy, key: str) -> Probe | None:
@@ -514,8 +547,7 @@ def window_probe(policy: Policy, key: str) -> Probe | None:
     return approximate.probe(key, policy.window, policy.ttl_ms)
 
 
-STATE_WORDS: dict[LockState, str] = {
-    LockState.QUEUED: "queued", LockState.RUNNING: "running", LockState.DONE: "done"}
+STATE_WORDS: dict[LockState, str] = _STATE_WORDS
 SKIPPED_MARK = "skipped duplicate"
 
 

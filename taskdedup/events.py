@@ -36,6 +36,10 @@ class Event(StrEnum):
     """A worker took the running lock; the body runs."""
     SKIPPED = "skipped"
     """A worker found the identity held by another id (or done): the body did not run."""
+    DEFERRED = "deferred"
+    """A worker found its own id running: another copy of the same message (kombu restores
+    unacked ETA/countdown messages every ``visibility_timeout``) runs now; this copy is put
+    off, neither run nor failed nor counted as a retry."""
     COMPLETED = "completed"
     """The body succeeded; the lock was released or kept as done for ``ttl``."""
     RELEASED = "released"
@@ -44,6 +48,9 @@ class Event(StrEnum):
     """A running lock was no longer ours at heartbeat or completion (it had expired)."""
     STORE_ERROR = "store_error"
     """Redis could not be reached; what followed is per ``on_store_error``."""
+    FOREIGN = "foreign"
+    """A lock key holds a value taskdedup did not write: the call or execution it blocked is
+    reported at WARNING (inspect or clear the key)."""
 
 
 @dataclass(frozen=True, slots=True)

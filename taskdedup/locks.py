@@ -24,13 +24,17 @@ __all__ = [
     "delete_locks",
     "glob_escape",
     "iter_locks",
+    "key_bytes",
+    "key_name",
     "key_text",
+    "lock_key_error",
     "lock_pattern",
     "one_line",
     "raise_errors",
     "read_locks",
     "redis_error_text",
     "scan_keys",
+    "shown",
     "split_key",
     "to_lock",
     "ttl_text",
@@ -38,7 +42,13 @@ __all__ = [
 
 _SCAN_COUNT: Final = 1000
 _BATCH: Final = 500
-_STATE_NAMES: Final = {"Q": "queued", "R": "running", "D": "done"}
+_STATE_NAMES: Final = {"Q": "queued", "R": "running", "D": "done", "F": "finished"}
+# The last segment of a lock key: a digest, or an approximate window's hash tag and digest.
+_LOCK_DIGEST: Final = re.compile(r"(?:\{[^{}:]*\})?[0-9a-f]{32}")
+# What a terminal must never receive raw: C0/C1 controls and DEL, undecodable bytes (lone
+# surrogates from surrogateescape), line/paragraph separators and bidirectional overrides.
+_UNSAFE: Final = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff\u2028\u2029"
+                            "\u202a-\u202e\u2066-\u2069]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,27 +77,43 @@ class Lock:
         }
 
 
-def split_key(prefix: str, key: str, task: str | None = None) -> tuple[str, str, str] | None:
-    """``(scope, task, digest)`` of ``{prefix}[:{scope}]:{task}:{digest}``, else None.
+def split_key(prefix: str, key: str, task: str | None = None,
+              scope: str | None = None) -> tuple[str, str, str] | None:
+    """``(scope, task, digest)`` of a lock key ``{prefix}[:{scope}]:{task}:{digest}``, else None.
 
-    A scope never contains ``:``, a task name may; without a known ``task`` the first of
-    two or more middle segments is read as the scope.
+    The digest is 32 lowercase hex digits, after an approximate window's hash tag
+    (``{tag.partition}``) when there is one. With ``task``, only a lock of exactly that task
+    (in ``scope``, or unscoped without one) matches: ``{prefix}:billing:charge:…`` is not a
+    lock of task ``charge`` (it is scope ``billing``'s, or a task named ``billing:charge``;
+    the key cannot tell, so neither is ever taken for the other). Without ``task`` the name
+    is read for display: the first of two or more segments as the scope.
     """
     head = prefix + ":"
     if not key.startswith(head):
         return None
     middle, sep, digest = key[len(head):].rpartition(":")
-    if not sep or not middle:
+    if not sep or not middle or not _LOCK_DIGEST.fullmatch(digest):
         return None
     if task is not None:
-        if middle == task:
-            return "", task, digest
-        scope = middle[: -len(task) - 1]
-        if middle.endswith(":" + task) and scope and ":" not in scope:
-            return scope, task, digest
+        if middle != key_name(task, scope):
+            return None
+        return scope or "", task, digest
+    first, sep, name = middle.partition(":")
+    return (first, name, digest) if sep and first and name else ("", middle, digest)
+
+
+def key_name(task: str, scope: str | None = None) -> str:
+    """The name part of a lock key between the prefix and the digest: ``scope:task``."""
+    return f"{scope}:{task}" if scope else task
+
+
+def lock_key_error(prefix: str, key: str) -> str | None:
+    """Why ``key`` is not a lock key under ``prefix`` (None when it is one): the CLI's
+    ``inspect`` and ``clear --key`` and the dashboard never touch a key outside the prefix."""
+    if split_key(prefix, key) is not None:
         return None
-    scope, sep, name = middle.partition(":")
-    return (scope, name, digest) if sep else ("", middle, digest)
+    return (f"{shown(key)!r} is not a lock key (lock keys are {prefix}:[SCOPE:]TASK:DIGEST, "
+            f"under {prefix + ':'!r})")
 
 
 def _wrong_type(reply: Any) -> bool:
@@ -102,19 +128,18 @@ def raise_errors(replies: Iterable[Any]) -> None:
             raise reply
 
 
-def to_lock(prefix: str, key: str, value: Any, pttl: Any, task: str | None) -> Lock | None:
+def to_lock(prefix: str, key: str, value: Any, pttl: Any, task: str | None,
+            scope: str | None = None) -> Lock | None:
     """A :class:`Lock` from a GET reply and a PTTL reply; None when it is not a lock (of
-    ``task``)."""
+    ``task`` in ``scope``)."""
     if _wrong_type(value):
         return None  # another type (a stats hash): not a lock
     parsed = parse_value(value)
     if parsed is None:
         return None
-    parts = split_key(prefix, key, task)
+    parts = split_key(prefix, key, task, scope)
     if parts is None:
-        if task is not None:
-            return None
-        parts = ("", "", "")
+        return None  # not a lock key under the prefix (of that task)
     state, check, owner = parsed
     return Lock(key, parts[1], parts[0], parts[2], _STATE_NAMES[state.value], owner, check,
                  int(pttl))
@@ -123,6 +148,26 @@ def to_lock(prefix: str, key: str, value: Any, pttl: Any, task: str | None) -> L
 def key_text(value: bytes | str) -> str:
     """A key or value as text; undecodable bytes survive a round trip (surrogateescape)."""
     return value.decode("utf-8", "surrogateescape") if isinstance(value, bytes) else value
+
+
+def key_bytes(key: str) -> bytes:
+    """``key`` as Redis has it: the bytes :func:`key_text` decoded, undecodable ones too (a
+    str with lone surrogates cannot be sent as text)."""
+    return key.encode("utf-8", "surrogateescape")
+
+
+def shown(text: object) -> str:
+    """``text`` safe for a terminal: control characters, undecodable bytes and bidirectional
+    overrides written as escapes (``\\x1b``, ``\\xff``, ``\\u202e``). A value read from Redis
+    may hold anything; printed raw it could drive the operator's terminal."""
+    return _UNSAFE.sub(_escape, str(text))
+
+
+def _escape(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    if 0xDC80 <= code <= 0xDCFF:  # an undecodable byte kept by surrogateescape
+        return f"\\x{code - 0xDC00:02x}"
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
 
 
 def glob_escape(text: str) -> str:
@@ -149,48 +194,51 @@ def batches(keys: Iterable[str], size: int = _BATCH) -> Iterator[list[str]]:
 
 
 def read_locks(
-    client: redis.Redis, prefix: str, keys: Sequence[str], task: str | None = None
+    client: redis.Redis, prefix: str, keys: Sequence[str], task: str | None = None,
+    scope: str | None = None,
 ) -> list[Lock]:
-    """GET and PTTL every key in one pipelined round trip; the locks (of ``task``) among them."""
+    """GET and PTTL every key in one pipelined round trip; the locks (of ``task`` in
+    ``scope``) among them."""
     pipe = client.pipeline(transaction=False)
     for key in keys:
-        pipe.get(key)
-        pipe.pttl(key)
+        pipe.get(key_bytes(key))
+        pipe.pttl(key_bytes(key))
     replies = pipe.execute(raise_on_error=False)
     raise_errors(replies)
     locks = []
     for index, key in enumerate(keys):
-        lock = to_lock(prefix, key, replies[2 * index], replies[2 * index + 1], task)
+        lock = to_lock(prefix, key, replies[2 * index], replies[2 * index + 1], task, scope)
         if lock is not None:
             locks.append(lock)
     return locks
 
 
-def lock_pattern(prefix: str, task: str | None) -> str:
-    """SCAN pattern for the locks of ``task`` (a superset, filtered after reading)."""
+def lock_pattern(prefix: str, task: str | None, scope: str | None = None) -> str:
+    """SCAN pattern for the locks of ``task`` in ``scope`` (every glob character escaped; a
+    superset — ``{task}:sub`` too — filtered exactly by :func:`split_key` after reading)."""
     if task is None:
         return glob_escape(prefix) + ":*"
-    return f"{glob_escape(prefix)}:*{glob_escape(task)}:*"
+    return f"{glob_escape(prefix)}:{glob_escape(key_name(task, scope))}:*"
 
 
-def iter_locks(client: redis.Redis, prefix: str, task: str | None) -> Iterator[Lock]:
-    """Every lock under ``prefix`` (of ``task``), by SCAN and pipelined reads."""
-    for batch in batches(scan_keys(client, lock_pattern(prefix, task))):
-        yield from read_locks(client, prefix, batch, task)
+def iter_locks(
+    client: redis.Redis, prefix: str, task: str | None, scope: str | None = None
+) -> Iterator[Lock]:
+    """Every lock under ``prefix`` (of ``task`` in ``scope``), by SCAN and pipelined reads."""
+    for batch in batches(scan_keys(client, lock_pattern(prefix, task, scope))):
+        yield from read_locks(client, prefix, batch, task, scope)
 
 
-# -- key ---------------------------------------------------------------------------------------
-
-
-
-def delete_locks(client: redis.Redis, prefix: str, keys: Sequence[str], task: str | None) -> int:
-    """DEL those of ``keys`` that are locks (of ``task``); how many were deleted."""
-    locks = read_locks(client, prefix, keys, task)
+def delete_locks(client: redis.Redis, prefix: str, keys: Sequence[str], task: str | None,
+                 scope: str | None = None) -> int:
+    """DEL those of ``keys`` that are locks under ``prefix`` (of ``task`` in ``scope``); how
+    many were deleted. A key outside the prefix, or holding anything but a lock, is kept."""
+    locks = read_locks(client, prefix, keys, task, scope)
     if not locks:
         return 0
     pipe = client.pipeline(transaction=False)
     for lock in locks:
-        pipe.delete(lock.key)
+        pipe.delete(key_bytes(lock.key))
     return sum(int(n) for n in pipe.execute())
 
 
@@ -202,8 +250,6 @@ def ttl_text(ttl_ms: int) -> str:
     if ttl_ms < 0:
         return "-"
     return f"{ttl_ms / 1000:.1f}s"
-
-
 
 
 # -- Redis errors in one line ------------------------------------------------------------------

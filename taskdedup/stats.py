@@ -43,7 +43,7 @@ import redis
 
 from .events import DedupEvent, Event, logger
 from .exceptions import ConfigurationError
-from .locks import glob_escape, key_text
+from .locks import glob_escape, key_bytes, key_text
 from .stores.redis import RedisStore, describe_client
 
 if TYPE_CHECKING:
@@ -79,9 +79,10 @@ _WARN_EVERY: Final = 60.0
 # Details are words chosen by taskdedup; anything else is not recorded as its own field,
 # so a surprising detail can never grow a hash without bound.
 _DETAIL: Final = re.compile(r"[a-z0-9_.:-]{1,40}")
-_SKIPPED_STATES: Final = {"Q": "queued", "R": "running", "D": "done"}
+_SKIPPED_STATES: Final = {"Q": "queued", "R": "running", "D": "done", "F": "finished"}
 _GATE_FIELDS: Final = tuple(f"gate:le_{bound}ms" for bound in GATE_BUCKETS_MS)
 _GATE_BOUNDS_US: Final = tuple(bound * 1000 for bound in GATE_BUCKETS_MS)
+_INTEGER: Final = re.compile(rb"-?[0-9]{1,19}")
 
 
 def stats_key(prefix: str, task: str) -> str:
@@ -426,6 +427,8 @@ class TaskStats:
 
     task: str
     fields: Mapping[str, int] = field(default_factory=dict)
+    ignored: tuple[str, ...] = ()
+    """Fields of the hash that do not hold an integer (written by someone else): skipped."""
 
     def get(self, name: str) -> int:
         return self.fields.get(name, 0)
@@ -492,6 +495,7 @@ class TaskStats:
                 "le_ms": {str(b): self.get(f"gate:le_{b}ms") for b in GATE_BUCKETS_MS},
             },
             "fields": dict(sorted(self.fields.items())),
+            "ignored_fields": list(self.ignored),
         }
 
 
@@ -501,7 +505,9 @@ def read_stats(
     """The flushed counters per task, found with SCAN (never KEYS), read in pipelines.
 
     With ``task``, only that task's hash is read. Keys under ``{prefix}:stats:`` that are not
-    hashes (a lock of a task named ``stats``) are skipped.
+    hashes (a lock of a task named ``stats``) are skipped, and so are fields that do not hold
+    an integer (named in :attr:`TaskStats.ignored`): someone else's writes never hide the
+    other counters. Undecodable bytes in names are kept (``surrogateescape``).
 
     Raises:
         redis.RedisError: Redis could not be reached or refused a command.
@@ -517,7 +523,7 @@ def read_stats(
     def read(batch: list[str]) -> None:
         pipe = client.pipeline(transaction=False)
         for key in batch:
-            pipe.hgetall(key)
+            pipe.hgetall(key_bytes(key))
         for key, reply in zip(batch, pipe.execute(raise_on_error=False), strict=True):
             if isinstance(reply, Exception):
                 if str(reply).startswith("WRONGTYPE"):
@@ -525,9 +531,16 @@ def read_stats(
                 raise reply
             if not reply:
                 continue  # gone since the SCAN
-            fields = {key_text(k): int(v) for k, v in reply.items()}
+            fields: dict[str, int] = {}
+            ignored: list[str] = []
+            for raw_name, raw_value in reply.items():
+                value = raw_value.encode() if isinstance(raw_value, str) else raw_value
+                if _INTEGER.fullmatch(value):
+                    fields[key_text(raw_name)] = int(value)
+                else:
+                    ignored.append(key_text(raw_name))
             name = key[len(head):]
-            out[name] = TaskStats(name, fields)
+            out[name] = TaskStats(name, fields, tuple(sorted(ignored)))
 
     for key in keys:
         batch.append(key_text(key))

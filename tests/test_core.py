@@ -586,7 +586,7 @@ def test_dropped_and_replaced_duplicates_log_at_debug_not_info(
     assert "replaced queued task" in records[1].getMessage()
 
 
-def test_start_after_done_by_the_same_id_is_a_duplicate(
+def test_start_after_done_by_the_same_id_is_finished(
     dedup: Deduplicator, rec: Recorder
 ) -> None:
     p = Policy(mode="until_expired")
@@ -594,7 +594,7 @@ def test_start_after_done_by_the_same_id_is_a_duplicate(
     dedup.start(TASK, p, key, A)
     dedup.finish(TASK, p, key, A, success=True)
     result = dedup.start(TASK, p, key, A)  # a redelivery after success
-    assert result.verdict is Verdict.DUPLICATE
+    assert result.verdict is Verdict.FINISHED
     assert (result.existing_id, result.state) == (A, LockState.DONE)
     assert rec.of(Event.SKIPPED)[0].detail == "D"
     assert len(dedup.heartbeat()) == 0
@@ -644,16 +644,37 @@ def test_finish_success_until_expired_keeps_done_for_ttl(
 
 
 @pytest.mark.parametrize("mode", ["until_executed", "while_executing"])
-def test_finish_success_deletes_the_lock(
+def test_finish_success_frees_the_identity_and_leaves_a_tombstone_for_its_copies(
     dedup: Deduplicator, store: MemoryStore, rec: Recorder, mode: str
 ) -> None:
-    p = Policy(mode=mode)
+    p = Policy(mode=mode, lease=30)
     key = ident(dedup, p, 1).key
     dedup.start(TASK, p, key, A)
     dedup.finish(TASK, p, key, A, success=True)
-    assert store.get(key) is None
+    lock = store.get(key)
+    assert lock is not None and (lock.state, lock.owner) == (LockState.FINISHED, A)
+    assert 0 < lock.ttl_ms <= 30_000  # for one lease
     assert len(dedup.heartbeat()) == 0
     assert len(rec.of(Event.COMPLETED)) == 1
+    assert dedup.start(TASK, p, key, A).verdict is Verdict.FINISHED  # a copy of A: ends
+    assert dedup.start(TASK, p, key, B).verdict is Verdict.ACCEPTED  # another call: runs
+
+
+def test_start_of_its_own_running_id_is_deferred_and_leaves_the_running_copy(
+    dedup: Deduplicator, store: MemoryStore, rec: Recorder
+) -> None:
+    """SPEC §5: kombu restores unacked ETA messages every visibility_timeout; a copy that
+    claims while the first runs is deferred, not run and not skipped."""
+    p = Policy(mode="until_executed")
+    key = ident(dedup, p, 1).key
+    assert dedup.start(TASK, p, key, A).verdict is Verdict.ACCEPTED
+    copy = dedup.start(TASK, p, key, A)
+    assert (copy.verdict, copy.existing_id, copy.state) == (
+        Verdict.DEFERRED, A, LockState.RUNNING)
+    assert len(rec.of(Event.DEFERRED)) == 1 and rec.of(Event.SKIPPED) == []
+    assert len(dedup.heartbeat()) == 1  # the running copy keeps renewing
+    dedup.finish(TASK, p, key, A, success=True)
+    assert dedup.start(TASK, p, key, A).verdict is Verdict.FINISHED
 
 
 @pytest.mark.parametrize("mode", GATING)
@@ -894,7 +915,8 @@ def test_heartbeat_keeps_a_running_lock_beyond_its_lease(
     assert len(rdedup.heartbeat()) == 1
     rdedup.finish(TASK, p, key, A, success=True)
     assert len(rdedup.heartbeat()) == 0
-    assert rstore.get(key) is None
+    info = rstore.get(key)
+    assert info is not None and (info.state, info.owner) == (LockState.FINISHED, A)
 
 
 def test_heartbeat_that_finds_another_owner_reports_lease_lost_and_stops(

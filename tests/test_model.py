@@ -61,7 +61,7 @@ CHECKS = ("", "1" * 32, "2" * 32)
 
 @dataclass
 class Held:
-    state: str  # "Q" queued, "R" running, "D" done
+    state: str  # "Q" queued, "R" running, "D" done, "F" finished (a tombstone for its copies)
     owner: str
     check: str
     expires: int  # model clock, ms
@@ -81,15 +81,21 @@ class Model:
             return None
         return held
 
+    def free(self, key: str, owner: str) -> Held | None:
+        """The lock as a gate or claim of ``owner`` sees it: another owner's tombstone is
+        no lock at all."""
+        held = self.live(key)
+        return None if held is not None and held.state == "F" and held.owner != owner else held
+
     def reserve(self, key: str, owner: str, ttl: int, check: str) -> tuple[str, str | None,
                                                                               str | None]:
         """Enqueue: absent → Q; same owner (not done) → accepted, expiry never shortened;
         else a duplicate (a mismatch when both carry different argument checks)."""
-        held = self.live(key)
+        held = self.free(key, owner)
         if held is None:
             self.locks[key] = Held("Q", owner, check, self.now + ttl)
             return ("ACQUIRED", None, None)
-        if held.owner == owner and held.state != "D":
+        if held.owner == owner and held.state not in "DF":
             self.locks[key] = Held("Q", owner, held.check,
                                    max(held.expires, self.now + ttl))
             return ("ACQUIRED", None, None)
@@ -98,12 +104,13 @@ class Model:
         return ("DUPLICATE", held.owner, held.state)
 
     def claim(self, key: str, owner: str, lease: int) -> tuple[str, str | None, str | None]:
-        """Worker start: absent → R; own Q/R → R for the lease; else skip the body."""
-        held = self.live(key)
+        """Worker start: absent → R; own Q → R for the lease; else not run: another
+        owner's (skip), its own R (another copy runs now: deferred), its own D/F (ended)."""
+        held = self.free(key, owner)
         if held is None:
             self.locks[key] = Held("R", owner, "", self.now + lease)
             return ("ACQUIRED", None, None)
-        if held.owner == owner and held.state != "D":
+        if held.owner == owner and held.state == "Q":
             self.locks[key] = Held("R", owner, held.check, self.now + lease)
             return ("ACQUIRED", None, None)
         return ("DUPLICATE", held.owner, held.state)
@@ -116,12 +123,16 @@ class Model:
             held.expires = self.now + lease
         return "OK"
 
-    def complete(self, key: str, owner: str, ttl: int) -> str:
+    def complete(self, key: str, owner: str, ttl: int, finished: int = 0) -> str:
         held = self.live(key)
         if held is None or held.owner != owner:
             return "NOT_OWNER"
+        if held.state != "R":
+            return "OK"
         if ttl > 0:
             self.locks[key] = Held("D", owner, held.check, self.now + ttl)
+        elif finished > 0:
+            self.locks[key] = Held("F", owner, held.check, self.now + finished)
         else:
             del self.locks[key]
         return "OK"
@@ -243,12 +254,16 @@ class LockMachine(RuleBasedStateMachine):
         expected = self.model.claim(task.key, task.id, LEASE)
         assert got == expected, ("claim", task, got, expected)
         RUN[f"claim {got[0]}"] += 1
-        task.status = "running" if got[0] == "ACQUIRED" else "over"  # a duplicate is skipped
+        if got[0] == "ACQUIRED":
+            task.status = "running"
+        elif (got[1], got[2]) != (task.id, "R"):
+            task.status = "over"  # a duplicate is skipped; a copy of a finished id ends
+        # else another copy of this very id runs now: this one is deferred (stays queued)
 
-    def owner_call(self, name: str, task: Task, *args: int) -> str:
-        got = getattr(self.h.store, name)(self.h.key(task.key), task.id, *args)
+    def owner_call(self, name: str, task: Task, *args: int, **kwargs: int) -> str:
+        got = getattr(self.h.store, name)(self.h.key(task.key), task.id, *args, **kwargs)
         assert isinstance(got, Outcome)
-        expected = getattr(self.model, name)(task.key, task.id, *args)
+        expected = getattr(self.model, name)(task.key, task.id, *args, *kwargs.values())
         assert got.name == expected, (name, task, got, expected)
         RUN[f"{name} {expected}"] += 1
         return expected
@@ -269,10 +284,12 @@ class LockMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.model.locks)
     @rule(index=st.integers(0, 10), check=st.sampled_from(CHECKS))
     def duplicate_enqueue(self, index: int, check: str) -> None:
-        """Another call of an identity that is held: never accepted while the lock lives."""
+        """Another call of an identity that is held: never accepted while the lock lives
+        (a tombstone F holds it only for its own id's copies)."""
         key = sorted(self.model.locks)[index % len(self.model.locks)]
-        live = self.model.live(key) is not None
-        outcome = self.reserve(key, self.new_id(), TTL, check)[0]
+        owner = self.new_id()
+        live = self.model.free(key, owner) is not None
+        outcome = self.reserve(key, owner, TTL, check)[0]
         if live:
             assert outcome in ("DUPLICATE", "MISMATCH")
         elif outcome == "ACQUIRED":
@@ -318,11 +335,27 @@ class LockMachine(RuleBasedStateMachine):
         self.owner_call("heartbeat", others[index % len(others)], LEASE)
 
     @precondition(lambda self: self.with_status("running"))
-    @rule(index=st.integers(0, 10), keep=st.booleans())
-    def complete(self, index: int, keep: bool) -> None:
+    @rule(index=st.integers(0, 10), how=st.sampled_from(["keep", "tombstone", "delete"]))
+    def complete(self, index: int, how: str) -> None:
+        """until_expired keeps D; until_executed/while_executing leave an F tombstone."""
         task = self.pick("running", index)
-        assert self.owner_call("complete", task, DONE_TTL if keep else 0) == "OK"
+        if how == "tombstone":
+            outcome = self.owner_call("complete", task, 0, finished_ms=LEASE)
+        else:
+            outcome = self.owner_call("complete", task, DONE_TTL if how == "keep" else 0)
+        assert outcome == "OK"
         task.status = "done"
+
+    @precondition(lambda self: self.with_status("running"))
+    @rule(index=st.integers(0, 10))
+    def copy_claims_while_running(self, index: int) -> None:
+        """kombu restored the running message's copy (an ETA beyond visibility_timeout): the
+        copy's claim must not run it beside the original (SPEC §5)."""
+        task = self.pick("running", index)
+        got = as_model(self.h.store.claim(self.h.key(task.key), task.id, LEASE))
+        expected = self.model.claim(task.key, task.id, LEASE)
+        assert got == expected == ("DUPLICATE", task.id, "R"), ("copy", task, got, expected)
+        RUN["copy deferred"] += 1
 
     @precondition(lambda self: self.with_status("running"))
     @rule(index=st.integers(0, 10))
@@ -363,8 +396,10 @@ class LockMachine(RuleBasedStateMachine):
         task = self.pick(status, index)
         held = self.model.live(task.key)
         self.claim(task)
-        if status == "done" and held is not None and (held.state, held.owner) == ("D", task.id):
-            assert task.status == "over"  # skipped: the body does not run twice
+        if status == "done" and held is not None and (held.state, held.owner) in (
+            ("D", task.id), ("F", task.id)
+        ):
+            assert task.status == "over"  # ended: the body does not run twice
 
     # rules: time
     @precondition(lambda self: self.model.locks)

@@ -37,7 +37,7 @@ C1, C2 = "1" * 32, "2" * 32
 LONG = 600_000  # ms: never expires during a test
 SHORT = 150  # ms: expires during a test (waited for, never slept on)
 
-Q, R, D = LockState.QUEUED, LockState.RUNNING, LockState.DONE
+Q, R, D, F = LockState.QUEUED, LockState.RUNNING, LockState.DONE, LockState.FINISHED
 ACQUIRED = LockResult(Outcome.ACQUIRED)
 UNKNOWN_HOLDER = LockResult(Outcome.DUPLICATE)  # held by a value taskdedup did not write
 
@@ -106,6 +106,8 @@ def hold(store: Store, key: str, owner: str, state: LockState, check: str = "") 
     assert store.claim(key, owner, LONG) == ACQUIRED
     if state is D:
         assert store.complete(key, owner, LONG) is Outcome.OK
+    if state is F:
+        assert store.complete(key, owner, 0, finished_ms=LONG) is Outcome.OK
 
 
 def info(store: Store, key: str) -> tuple[LockState, str, str] | None:
@@ -277,10 +279,33 @@ def test_claim_of_its_own_queued_lock_runs_it_for_the_lease_and_keeps_the_check(
     assert 0 < lock.ttl_ms <= 30_000
 
 
-def test_claim_of_its_own_running_lock_is_acquired(store: Store) -> None:
+def test_claim_of_its_own_running_lock_is_a_copy_and_leaves_it(store: Store) -> None:
+    """SPEC §5: the same id RUNNING means another copy of one message runs now (kombu's
+    restored ETA copies): the claim says so, and the running copy's lease is not touched."""
     hold(store, "k", A, R)
-    assert store.claim("k", A, LONG) == ACQUIRED
-    assert info(store, "k") == (R, A, "")
+    before = store.get("k")
+    assert store.claim("k", A, 1_000) == LockResult(Outcome.DUPLICATE, A, R)
+    after = store.get("k")
+    assert before is not None and after is not None
+    assert (after.state, after.owner) == (R, A) and after.ttl_ms > 1_000
+
+
+def test_complete_with_finished_ms_leaves_a_tombstone_only_its_owner_sees(store: Store) -> None:
+    """until_executed / while_executing: the identity is free again for every other call,
+    while this id's own copies find that it finished (SPEC §5)."""
+    hold(store, "k", A, R, C1)
+    assert store.complete("k", A, 0, finished_ms=LONG) is Outcome.OK
+    assert info(store, "k") == (F, A, C1)
+    assert store.claim("k", A, LONG) == LockResult(Outcome.DUPLICATE, A, F)
+    assert store.reserve("k", A, LONG) == LockResult(Outcome.DUPLICATE, A, F)
+    assert store.reserve("k", B, LONG, C2) == ACQUIRED  # another call: free, no mismatch
+    assert info(store, "k") == (Q, B, C2)
+
+
+def test_claim_of_another_owners_tombstone_is_acquired(store: Store) -> None:
+    hold(store, "k", A, F)
+    assert store.claim("k", B, LONG) == ACQUIRED
+    assert info(store, "k") == (R, B, "")
 
 
 def test_claim_of_its_own_done_lock_is_duplicate(store: Store) -> None:

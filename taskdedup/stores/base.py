@@ -39,6 +39,10 @@ class LockState(StrEnum):
     QUEUED = "Q"
     RUNNING = "R"
     DONE = "D"
+    FINISHED = "F"
+    """A success that released the identity (``until_executed``, ``while_executing``) leaves
+    a short tombstone: the owner's own copies (a redelivery, kombu's restored ETA copies) see
+    it and end without running again; to every other call the identity is free."""
 
 
 class LockResult(NamedTuple):
@@ -92,7 +96,8 @@ class Store(Protocol):
 
         Same owner in QUEUED/RUNNING (a retry or a republish) → QUEUED(owner) with the
         expiry extended to at least ``ttl_ms``; ACQUIRED. DONE by the same owner, or held by
-        another owner → DUPLICATE. Held by another owner with a different non-empty
+        another owner (in any state but FINISHED, which is free) → DUPLICATE. Held by another
+        owner with a different non-empty
         ``check`` → MISMATCH. ``fresh``: a new call (not a retry or a republish of the
         owner's message) that reuses an explicit id; the owner's own lock in any state is
         then a DUPLICATE of itself.
@@ -109,9 +114,13 @@ class Store(Protocol):
         ...
 
     def claim(self, key: str, owner: str, lease_ms: int) -> LockResult:
-        """Worker start: absent, or QUEUED/RUNNING by owner → RUNNING(owner) for ``lease_ms``.
+        """Worker start: absent, another owner's FINISHED, or QUEUED by owner →
+        RUNNING(owner) for ``lease_ms``.
 
-        Held by another owner in any state, or DONE by this owner → DUPLICATE (skip).
+        Held by another owner in any other state → DUPLICATE (skip). Held by this very owner
+        RUNNING (another copy of the message runs now) or DONE/FINISHED (a redelivery after
+        success) → DUPLICATE with that state and the owner: the caller defers the copy, or
+        ends it without a new outcome.
         """
         ...
 
@@ -122,8 +131,9 @@ class Store(Protocol):
         """
         ...
 
-    def complete(self, key: str, owner: str, ttl_ms: int) -> Outcome:
-        """Success: RUNNING by ``owner`` → DONE(owner) for ``ttl_ms``, or deleted if 0.
+    def complete(self, key: str, owner: str, ttl_ms: int, *, finished_ms: int = 0) -> Outcome:
+        """Success: RUNNING by ``owner`` → DONE(owner) for ``ttl_ms``; when ``ttl_ms`` is 0,
+        FINISHED(owner) for ``finished_ms``, or deleted if that is 0 too.
 
         A lock of ``owner`` in another state is left as it is, OK: QUEUED means a retry
         re-reserved it while the body went on (``self.retry(throw=False)``), and that retry

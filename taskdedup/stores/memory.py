@@ -29,9 +29,10 @@ __all__ = ["MemoryStore", "format_value", "parse_value"]
 # The same grammar as ``parse`` in the Lua scripts: one state character, an empty or
 # 32-hex check, and a non-empty owner that may contain anything (``|`` included); the
 # string is split on its first two ``|`` only.
-_VALUE = re.compile(r"([QRD])\|((?:[0-9a-f]{32})?)\|(.+)", re.DOTALL)
+_VALUE = re.compile(r"([QRDF])\|((?:[0-9a-f]{32})?)\|(.+)", re.DOTALL)
 _CHECK = re.compile(r"(?:[0-9a-f]{32})?")
-_STATES = {"Q": LockState.QUEUED, "R": LockState.RUNNING, "D": LockState.DONE}
+_STATES = {state.value: state for state in LockState}
+_ENDED = (LockState.DONE, LockState.FINISHED)
 
 _Parsed = tuple[LockState, str, str]
 
@@ -153,7 +154,7 @@ class MemoryStore:
         self, key: str, owner: str, ttl_ms: int, check: str, now: float, replace: bool,
         fresh: bool = False, window: Probe | None = None,
     ) -> LockResult:
-        entry = self._read(key, now)
+        entry = self._free(key, owner, now)
         expires = now + ttl_ms / 1000
         if entry is None:
             if self._seen(window, now):
@@ -165,7 +166,7 @@ class MemoryStore:
             return LockResult(Outcome.DUPLICATE)
         state, held_check, held_owner = parsed
         if held_owner == owner:
-            if state is LockState.DONE or fresh:
+            if state in _ENDED or fresh:
                 return LockResult(Outcome.DUPLICATE, held_owner, state)
             # Never shorten; an entry without expiry (set by hand) gets ttl_ms, as in Lua.
             if entry[1] != math.inf:
@@ -178,6 +179,16 @@ class MemoryStore:
             self._write(key, LockState.QUEUED, check, owner, expires)
             return LockResult(Outcome.REPLACED, held_owner, state)
         return LockResult(Outcome.DUPLICATE, held_owner, state)
+
+    def _free(self, key: str, owner: str, now: float) -> tuple[str, float] | None:
+        """The entry at ``key``, or None when absent or another owner's FINISHED tombstone
+        (free to every call but its owner's copies), as the scripts read it."""
+        entry = self._read(key, now)
+        if entry is not None:
+            parsed = parse_value(entry[0])
+            if parsed is not None and parsed[0] is LockState.FINISHED and parsed[2] != owner:
+                return None
+        return entry
 
     def _owned(self, key: str, owner: str, now: float) -> tuple[_Parsed, float] | None:
         entry = self._read(key, now)
@@ -222,7 +233,7 @@ class MemoryStore:
         check_ms("lease_ms", lease_ms)
         with self._lock:
             now = self._clock()
-            entry = self._read(key, now)
+            entry = self._free(key, owner, now)
             expires = now + lease_ms / 1000
             if entry is None:
                 if self._seen(window, now):
@@ -233,7 +244,7 @@ class MemoryStore:
             if parsed is None:
                 return LockResult(Outcome.DUPLICATE)
             state, held_check, held_owner = parsed
-            if held_owner == owner and state is not LockState.DONE:
+            if held_owner == owner and state is LockState.QUEUED:
                 self._write(key, LockState.RUNNING, held_check, owner, expires)
                 return LockResult(Outcome.ACQUIRED)
             return LockResult(Outcome.DUPLICATE, held_owner, state)
@@ -252,10 +263,11 @@ class MemoryStore:
                 self._write(key, state, check, owner, now + lease_ms / 1000)
             return Outcome.OK
 
-    def complete(self, key: str, owner: str, ttl_ms: int) -> Outcome:
+    def complete(self, key: str, owner: str, ttl_ms: int, *, finished_ms: int = 0) -> Outcome:
         """See :meth:`taskdedup.stores.Store.complete`."""
         check_owner(owner)
         check_ms("ttl_ms", ttl_ms, allow_zero=True)
+        check_ms("finished_ms", finished_ms, allow_zero=True)
         with self._lock:
             now = self._clock()
             owned = self._owned(key, owner, now)
@@ -265,6 +277,9 @@ class MemoryStore:
                 return Outcome.OK
             if ttl_ms > 0:
                 self._write(key, LockState.DONE, owned[0][1], owner, now + ttl_ms / 1000)
+            elif finished_ms > 0:
+                self._write(key, LockState.FINISHED, owned[0][1], owner,
+                            now + finished_ms / 1000)
             else:
                 del self._data[key]
             return Outcome.OK

@@ -379,10 +379,14 @@ class RedisStore:
         check_ms("lease_ms", lease_ms)
         return _OUTCOMES[self._eval(self._heartbeat, "renew the lease of", key, owner, lease_ms)]
 
-    def complete(self, key: str, owner: str, ttl_ms: int) -> Outcome:
+    def complete(self, key: str, owner: str, ttl_ms: int, *, finished_ms: int = 0) -> Outcome:
         """See :meth:`taskdedup.stores.Store.complete`."""
         check_owner(owner)
         check_ms("ttl_ms", ttl_ms, allow_zero=True)
+        if finished_ms:
+            check_ms("finished_ms", finished_ms)
+            return _OUTCOMES[self._eval(self._complete, "complete", key, owner, ttl_ms,
+                                        finished_ms)]
         return _OUTCOMES[self._eval(self._complete, "complete", key, owner, ttl_ms)]
 
     def release(self, key: str, owner: str, *, only_queued: bool = False) -> Outcome:

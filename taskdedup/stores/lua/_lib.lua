@@ -2,7 +2,9 @@
 -- parser and the enqueue gate, shared by the scripts.
 --
 -- A lock value is "<state>|<check>|<owner>": state one of Q (queued), R (running),
--- D (done); check "" or a 32-hex digest of the arguments; owner the task id (any text).
+-- D (done), F (finished: a short tombstone left by a success that releases the identity,
+-- which only the owner's own copies see; to any other call it is absent); check "" or a
+-- 32-hex digest of the arguments; owner the task id (any text).
 -- parse(v) -> state, check, owner; or nil for anything taskdedup did not write
 -- (another type, garbage), which every script treats as someone else's lock.
 
@@ -19,7 +21,7 @@ end
 
 local function parse(v)
   if type(v) ~= 'string' then return nil end
-  local state, check, owner = string.match(v, '^([QRD])|([0-9a-f]*)|(.+)$')
+  local state, check, owner = string.match(v, '^([QRDF])|([0-9a-f]*)|(.+)$')
   if state == nil or (#check ~= 0 and #check ~= 32) then return nil end
   return state, check, owner
 end
@@ -57,13 +59,18 @@ end
 -- an absent lock whose identity a live slice remembers is DUPLICATE {2, 'D', false}, done
 -- by an owner the filter does not know)
 -- The enqueue gate shared by reserve.lua, replace.lua and enqueue.lua (their headers give the
--- codes): absent -> Q(owner); the owner's own Q/R -> Q, expiry never shortened (a retry or a
--- republish of that message), unless the call is fresh (a new call reusing an explicit id:
--- a duplicate of itself); done by the owner -> DUPLICATE; another owner -> MISMATCH (checks
--- differ), REPLACED (replace and Q) or DUPLICATE.
+-- codes): absent, or another owner's F -> Q(owner); the owner's own Q/R -> Q, expiry never
+-- shortened (a retry or a republish of that message), unless the call is fresh (a new call
+-- reusing an explicit id: a duplicate of itself); done or finished by the owner ->
+-- DUPLICATE; another owner -> MISMATCH (checks differ), REPLACED (replace and Q) or
+-- DUPLICATE.
 local function gate(key, owner, ttl_ms, check, replace, fresh, value, positions)
   if value == nil then
     value = read(key)
+  end
+  local state, held_check, held_owner = parse(value)
+  if state == 'F' and held_owner ~= owner then
+    value = false  -- another call's tombstone: the identity is free
   end
   if not value then
     if seen(positions) then
@@ -72,12 +79,11 @@ local function gate(key, owner, ttl_ms, check, replace, fresh, value, positions)
     redis.call('SET', key, 'Q|' .. check .. '|' .. owner, 'PX', ttl_ms)
     return {1, false, false}
   end
-  local state, held_check, held_owner = parse(value)
   if not state then
     return {2, false, false}
   end
   if held_owner == owner then
-    if state == 'D' or fresh then
+    if state == 'D' or state == 'F' or fresh then
       return {2, state, held_owner}
     end
     -- Never shorten: a retry re-reserving for its countdown keeps the longer expiry.

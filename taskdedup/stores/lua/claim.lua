@@ -9,17 +9,24 @@
 -- Value: "<state>|<check>|<owner>", state one of Q (queued), R (running), D (done).
 --
 -- Returns {code, state or false, owner or false}; code is an Outcome:
---   1 ACQUIRED   absent (reservation expired, or never made) -> R(owner) with an empty
---                check; or owner's own Q/R -> R (check kept); PX lease_ms either way
---   2 DUPLICATE  done by this owner (a redelivery after success), held by another owner in
---                any state, or a value not written by taskdedup (state and owner false);
---                the state and owner found are returned; under an approximate window also
---                an absent lock whose identity a live slice remembers ('D', owner false)
+--   1 ACQUIRED   absent (reservation expired, or never made) or another owner's F
+--                tombstone -> R(owner) with an empty check; or owner's own Q -> R (check
+--                kept); PX lease_ms either way
+--   2 DUPLICATE  held by another owner in any state but F, or a value not written by
+--                taskdedup (state and owner false); or held by this very owner: R (another
+--                copy of this message runs now, its lease live: the caller defers this one),
+--                D or F (a redelivery after success: it ends without a new outcome); the
+--                state and owner found are returned; under an approximate window also an
+--                absent lock whose identity a live slice remembers ('D', owner false)
 
 local key = KEYS[1]
 local owner, lease_ms = ARGV[1], ARGV[2]
 
 local value = read(key)
+local state, held_check, held_owner = parse(value)
+if state == 'F' and held_owner ~= owner then
+  value = false  -- another call's tombstone: the identity is free
+end
 if not value then
   if seen(ARGV[3]) then
     return {2, 'D', false}
@@ -28,12 +35,11 @@ if not value then
   return {1, false, false}
 end
 
-local state, held_check, held_owner = parse(value)
 if not state then
   return {2, false, false}
 end
 
-if held_owner == owner and state ~= 'D' then
+if held_owner == owner and state == 'Q' then
   redis.call('SET', key, 'R|' .. held_check .. '|' .. owner, 'PX', lease_ms)
   return {1, false, false}
 end

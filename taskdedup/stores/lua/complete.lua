@@ -2,7 +2,10 @@
 --
 -- KEYS[1]  the lock key of one task identity (the only key touched: Cluster-safe)
 -- ARGV[1]  owner   the worker's task id (compared as an exact string)
--- ARGV[2]  ttl_ms  how long the DONE marker lives in milliseconds; 0 deletes the lock
+-- ARGV[2]  ttl_ms  how long the DONE marker lives in milliseconds; 0 releases the identity:
+--                  then, exact locks only, ARGV[3] finished_ms > 0 leaves F(owner) for that
+--                  long (a tombstone only this owner's copies see: they end without running
+--                  again), else the lock is deleted
 -- Approximate window (SPEC §12) only: KEYS[2..] the live slice bitmaps, current first (same
 -- hash tag as KEYS[1]: one slot); the lock is deleted and the identity added instead:
 -- ARGV[3]  its bit positions "p1,p2,..."     ARGV[4]  the current slice's time index
@@ -16,7 +19,8 @@
 -- Value: "<state>|<check>|<owner>", state one of Q (queued), R (running), D (done).
 --
 -- Returns an Outcome:
---   4 OK         owner's own R -> D(owner, check kept) PX ttl_ms, or DEL when ttl_ms is 0;
+--   4 OK         owner's own R -> D(owner, check kept) PX ttl_ms, or when ttl_ms is 0
+--                F(owner) PX finished_ms or DEL;
 --                under an approximate window {4, added, created}: the identities the
 --                current slice holds now, and 1 when this call created the slice;
 --                owner's own Q/D -> left as it is (a pending retry re-reserved it: the
@@ -72,6 +76,8 @@ if #KEYS > 1 then
 end
 if tonumber(ttl_ms) > 0 then
   redis.call('SET', key, 'D|' .. held_check .. '|' .. owner, 'PX', ttl_ms)
+elseif ARGV[3] and tonumber(ARGV[3]) > 0 then
+  redis.call('SET', key, 'F|' .. held_check .. '|' .. owner, 'PX', ARGV[3])
 else
   redis.call('DEL', key)
 end
