@@ -41,12 +41,15 @@ from .locks import (
     batches,
     delete_locks,
     iter_locks,
+    key_bytes,
     key_text,
+    lock_key_error,
     lock_pattern,
     one_line,
     raise_errors,
     redis_error_text,
     scan_keys,
+    shown,
     to_lock,
     ttl_text,
 )
@@ -58,6 +61,9 @@ from .stores.redis import RedisStore, redact_url
 __all__ = ["main"]
 
 _DIGEST: Final = re.compile(r"[0-9a-f]{32}")
+# Characters json.dumps(ensure_ascii=False) leaves raw that a terminal may act on: DEL, C1
+# controls (0x9b is CSI), line separators and bidirectional overrides.
+_JSON_UNSAFE: Final = re.compile("[\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
 
 # Commands that live in other modules and are imported only when run (their imports are
 # heavy: Celery, RQ, a Redis server). ``taskdedup demo`` is ``taskdedup/demo.py``'s ``demo``
@@ -170,12 +176,37 @@ def _console() -> Console:
 
 
 def _echo_json(data: Any, *, compact: bool = False) -> None:
-    click.echo(json.dumps(data, indent=None if compact else 2, ensure_ascii=False))
+    """``data`` as JSON, safe for a terminal: undecodable bytes of a key or value read from
+    Redis written ``\\xff`` (JSON text cannot hold them), control characters as JSON
+    escapes (``\\u001b``), which parse back to the same string."""
+    text = json.dumps(_printable(data), indent=None if compact else 2, ensure_ascii=False)
+    click.echo(_JSON_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", text))
+
+
+def _printable(data: Any) -> Any:
+    """``data`` with the undecodable bytes of its strings escaped (:func:`shown` for those)."""
+    if isinstance(data, str):
+        return shown(data) if _has_surrogates(data) else data
+    if isinstance(data, dict):
+        return {_printable(k): _printable(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [_printable(item) for item in data]
+    return data
+
+
+def _has_surrogates(text: str) -> bool:
+    return any("\ud800" <= char <= "\udfff" for char in text)
 
 
 def _cell(value: object) -> Text:
-    """A table cell shown verbatim (an owner id could look like rich markup)."""
-    return Text("-" if value is None or value == "" else str(value))
+    """A table cell shown verbatim: never rich markup (``[bold]`` stays text), and control
+    characters from Redis escaped (``\\x1b``), so a stored value cannot drive the terminal."""
+    return Text("-" if value is None or value == "" else shown(value))
+
+
+def _title(text: str) -> Text:
+    """A table title shown verbatim (it names the URL, which may hold ``[``)."""
+    return Text(shown(text))
 
 
 # -- keys and lock values -----------------------------------------------------------------------
@@ -354,19 +385,17 @@ def inspect_command(
             raise CliError(f"DIGEST must be 32 lowercase hex characters, got {digest!r}")
         key = Deduplicator(MemoryStore(), prefix=env.prefix).lock_key(key_or_task, digest, scope)
         task: str | None = key_or_task
-    elif key_or_task.startswith(env.prefix + ":"):
-        key, task = key_or_task, None
     else:
-        raise CliError(
-            f"{key_or_task!r} is not a lock key (lock keys start with {env.prefix + ':'!r}); "
-            "pass a full key, or TASK DIGEST"
-        )
+        key, task, scope = key_or_task, None, None
+    refused = lock_key_error(env.prefix, key)
+    if refused is not None:
+        raise CliError(f"{refused}; pass a full key, or TASK DIGEST")
     client = env.client()
     with _redis_errors(env):
         pipe = client.pipeline(transaction=True)  # one key: value and TTL read atomically
-        pipe.get(key)
-        pipe.pttl(key)
-        pipe.type(key)
+        pipe.get(key_bytes(key))
+        pipe.pttl(key_bytes(key))
+        pipe.type(key_bytes(key))
         replies = pipe.execute(raise_on_error=False)
         raise_errors(replies)
     value, pttl, kind = replies
@@ -374,11 +403,11 @@ def inspect_command(
         if as_json:
             _echo_json({"key": key, "exists": False})
         else:
-            click.echo(f"no lock at {key}: never taken, or released, or expired")
+            click.echo(f"no lock at {shown(key)}: never taken, or released, or expired")
         return
-    lock = to_lock(env.prefix, key, value, pttl, task)
+    lock = to_lock(env.prefix, key, value, pttl, task, scope)
     if lock is None:
-        raise CliError(f"{key} holds a {key_text(kind)}, not a taskdedup lock")
+        raise CliError(f"{shown(key)} holds a {shown(key_text(kind))}, not a taskdedup lock")
     if as_json:
         _echo_json({**lock.as_dict(), "exists": True})
         return
@@ -401,8 +430,27 @@ def inspect_command(
 # -- list --------------------------------------------------------------------------------------
 
 
+def _scope_option(func: Callable[..., Any]) -> Callable[..., Any]:
+    return click.option(
+        "--scope", help="With --task: the locks of TASK in this scope (without it, the "
+        "unscoped locks of TASK only)."
+    )(func)
+
+
+def _check_scope(task: str | None, scope: str | None) -> None:
+    if scope is not None and task is None:
+        raise CliError("--scope needs --task (a scope alone reads like the start of a task name)")
+    if scope is not None and (not scope or ":" in scope):
+        raise CliError("--scope must be a non-empty string without ':'")
+
+
+def _task_text(task: str, scope: str | None) -> str:
+    return f"task {task!r}" + (f" in scope {scope!r}" if scope else "")
+
+
 @main.command("list")
-@click.option("--task", help="Only the locks of this task.")
+@click.option("--task", help="Only the locks of exactly this task (unscoped unless --scope).")
+@_scope_option
 @click.option("--state", type=click.Choice(["queued", "running", "done"]),
               help="Only locks in this state.")
 @click.option("--limit", type=click.IntRange(min=0), default=100, show_default=True,
@@ -410,14 +458,16 @@ def inspect_command(
 @_json_option
 @click.pass_obj
 def list_command(
-    env: _Env, task: str | None, state: str | None, limit: int, as_json: bool
+    env: _Env, task: str | None, scope: str | None, state: str | None, limit: int,
+    as_json: bool,
 ) -> None:
     """List locks (found with SCAN, never KEYS; read in pipelined batches)."""
+    _check_scope(task, scope)
     client = env.client()
     locks: list[Lock] = []
     truncated = False
     with _redis_errors(env):
-        for lock in iter_locks(client, env.prefix, task):
+        for lock in iter_locks(client, env.prefix, task, scope):
             if state is not None and lock.state != state:
                 continue
             if limit and len(locks) >= limit:
@@ -429,11 +479,13 @@ def list_command(
         _echo_json([lock.as_dict() for lock in locks])
         return
     if not locks:
-        click.echo(f"no locks under {env.prefix}:*" + (f" for task {task!r}" if task else "")
-                   + (f" in state {state}" if state else ""))
+        click.echo(f"no locks under {env.prefix}:*"
+                   + (f" for {shown(_task_text(task, scope))}" if task else "")
+                   + (f" in state {state}" if state else "")
+                   + ("; a scoped task's locks need --scope" if task and not scope else ""))
         return
     scoped = any(lock.scope for lock in locks)
-    table = Table(title=f"taskdedup locks at {env.where}", title_justify="left")
+    table = Table(title=_title(f"taskdedup locks at {env.where}"), title_justify="left")
     table.add_column("key", overflow="fold")
     table.add_column("task")
     if scoped:
@@ -457,28 +509,38 @@ def list_command(
 
 
 @main.command("clear")
-@click.option("--key", "keys", multiple=True, metavar="KEY", help="This lock key (repeatable).")
-@click.option("--task", help="Every lock of this task.")
+@click.option("--key", "keys", multiple=True, metavar="KEY",
+              help="This lock key (repeatable); refused unless it is a lock key under the prefix.")
+@click.option("--task", help="Every lock of exactly this task (unscoped unless --scope).")
+@_scope_option
 @click.option("--all", "all_", is_flag=True, help="Every lock under the prefix.")
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
 @click.pass_obj
 def clear_command(
-    env: _Env, keys: tuple[str, ...], task: str | None, all_: bool, yes: bool
+    env: _Env, keys: tuple[str, ...], task: str | None, scope: str | None, all_: bool,
+    yes: bool,
 ) -> None:
     """Delete locks (SCAN + DEL in batches), so their identities can be enqueued again.
 
-    Stats are kept. A task whose lock is deleted while it runs is not stopped, and its
-    completion will find the lock gone (it does not touch a new owner's lock).
+    Only keys under the prefix that hold a lock are deleted; --task TASK takes exactly that
+    task's locks (with --scope, that scope's), never those of a longer name such as
+    SCOPE:TASK. Stats are kept. A task whose lock is deleted while it runs is not stopped,
+    and its completion will find the lock gone (it does not touch a new owner's lock).
     """
     chosen = sum((bool(keys), task is not None, all_))
-    if chosen == 0:
+    if chosen == 0 and scope is None:
         raise CliError("nothing selected: pass --key KEY, --task TASK or --all")
+    _check_scope(task, scope)
     if chosen > 1:
         raise CliError("pass only one of --key, --task and --all")
+    for key in keys:
+        refused = lock_key_error(env.prefix, key)
+        if refused is not None:
+            raise CliError(f"{refused}: nothing deleted")
     if keys:
-        what = f"the lock {keys[0]}" if len(keys) == 1 else f"{len(keys)} locks"
+        what = f"the lock {shown(keys[0])}" if len(keys) == 1 else f"{len(keys)} locks"
     elif task is not None:
-        what = f"every lock of task {task!r}"
+        what = f"every lock of {shown(_task_text(task, scope))}"
     else:
         what = f"every lock under {env.prefix + ':*'!r}"
     client = env.client()
@@ -492,8 +554,8 @@ def clear_command(
             for batch in batches(keys):
                 deleted += delete_locks(client, env.prefix, batch, None)
         else:
-            for batch in batches(scan_keys(client, lock_pattern(env.prefix, task))):
-                deleted += delete_locks(client, env.prefix, batch, task)
+            for batch in batches(scan_keys(client, lock_pattern(env.prefix, task, scope))):
+                deleted += delete_locks(client, env.prefix, batch, task, scope)
     click.echo(f"deleted {deleted} lock{'' if deleted == 1 else 's'}")
 
 
@@ -521,7 +583,7 @@ def doctor_command(env: _Env, as_json: bool) -> None:
         _echo_json({"url": env.where, "ok": not failed,
                     "checks": [f.as_dict() for f in findings]})
     else:
-        table = Table(title=f"taskdedup doctor at {env.where}", title_justify="left")
+        table = Table(title=_title(f"taskdedup doctor at {env.where}"), title_justify="left")
         for name in ("check", "", "found", "fix"):
             table.add_column(name)
         for f in findings:
@@ -540,7 +602,7 @@ def _rate(value: float | None) -> str:
 
 
 def _stats_table(stats: dict[str, TaskStats], where: str) -> Table:
-    table = Table(title=f"taskdedup stats at {where}", title_justify="left")
+    table = Table(title=_title(f"taskdedup stats at {where}"), title_justify="left")
     for name in ("task", "accepted", "duplicates", "dup rate", "skipped", "released (failure)",
                  "lease lost", "store errors", "gate avg"):
         table.add_column(name, justify="left" if name == "task" else "right")
@@ -556,7 +618,8 @@ def _stats_table(stats: dict[str, TaskStats], where: str) -> Table:
 
 
 def _windows_table(windows: dict[str, WindowStats], where: str) -> Table:
-    table = Table(title=f"taskdedup approximate windows at {where}", title_justify="left")
+    table = Table(title=_title(f"taskdedup approximate windows at {where}"),
+                  title_justify="left")
     for name in ("task", "identities", "fill", "fill max", "est. false positives",
                  "live slices", "slices dropped"):
         table.add_column(name, justify="left" if name == "task" else "right")
@@ -613,6 +676,8 @@ def stats_command(env: _Env, task: str | None, watch: float | None, as_json: boo
             click.echo(_no_stats(env.prefix, task))
         if stats:
             _console().print(_stats_table(stats, env.where))
+            for note in _ignored_notes(stats):
+                _console().print(Text(note))
         if found:
             _console().print(_windows_table(found, env.where))
         return
@@ -637,6 +702,15 @@ def stats_command(env: _Env, task: str | None, watch: float | None, as_json: boo
                 _pause(watch)
     except KeyboardInterrupt:
         return
+
+
+def _ignored_notes(stats: dict[str, TaskStats]) -> list[str]:
+    """One line per task whose hash holds fields that are not integers (skipped)."""
+    return [
+        f"{shown(item.task)}: {len(item.ignored)} field{'' if len(item.ignored) == 1 else 's'} "
+        f"not an integer, ignored: {', '.join(shown(name) for name in item.ignored)}"
+        for item in stats.values() if item.ignored
+    ]
 
 
 def _pause(seconds: float) -> None:

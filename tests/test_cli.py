@@ -242,8 +242,10 @@ def test_list_filters_by_task_state_and_limit(run: Any, locks: dict[str, str]) -
     assert {r["key"] for r in charge_rows} == {locks["c1"], locks["c2"]}
     running = as_json(run("list", "--task", "app.charge", "--state", "running", "--json"))
     assert [(r["key"], r["owner"]) for r in running] == [(locks["c2"], "id-c2")]
-    scoped = as_json(run("list", "--task", "app.mail", "--json"))
+    scoped = as_json(run("list", "--task", "app.mail", "--scope", "t1", "--json"))
     assert [(r["scope"], r["state"]) for r in scoped] == [("t1", "done")]
+    assert as_json(run("list", "--task", "app.mail", "--json")) == []  # exactly that name
+    assert "need --scope" in run("list", "--task", "app.mail").stdout
     assert len(as_json(run("list", "--limit", "2", "--json"))) == 2
     truncated = run("list", "--limit", "1")
     assert "--limit 0 shows all" in truncated.stdout
@@ -290,9 +292,11 @@ def test_clear_yes_skips_confirmation_and_deletes_only_matching_locks(
     assert "?" not in result.stdout  # no prompt
     after = {k.decode() for k in redis_client.scan_iter(match="taskdedup:*")}
     gone = before - after
-    assert locks["m1"] in gone and len(gone) == 2  # the scoped lock and the unscoped one
-    assert all(":app.mail:" in key for key in gone)
-    assert "deleted 2 locks" in result.stdout
+    assert len(gone) == 1 and locks["m1"] not in gone  # the unscoped lock only
+    assert all(key.startswith("taskdedup:app.mail:") for key in gone)
+    assert "deleted 1 lock" in result.stdout
+    scoped = run("clear", "--task", "app.mail", "--scope", "t1", "--yes")
+    assert "deleted 1 lock" in scoped.stdout and not redis_client.exists(locks["m1"])
 
     one = run("clear", "--key", locks["c1"], "--yes")
     assert "deleted 1 lock" in one.stdout
@@ -440,3 +444,102 @@ def test_demo_is_loaded_lazily_from_its_module(run: Any,
     assert "demo" in run("--help").stdout
     result = run("demo")
     assert result.exit_code == 0 and result.stdout == "demo ran\n"
+
+
+# -- input written by someone else (SPEC §8: input is not trusted) -------------------------------
+
+LOCK_VALUE = "Q||id-odd"  # a well-formed queued lock value (state, no check, owner)
+
+
+def test_clear_task_deletes_exactly_that_tasks_locks_never_a_scoped_or_longer_name(
+    run: Any, redis_client: redis.Redis,
+) -> None:
+    digest = "1" * 32
+    keys = {
+        "charge": f"taskdedup:charge:{digest}",
+        "billing:charge": f"taskdedup:billing:charge:{digest}",  # scope billing (or a task)
+        "charge:v2": f"taskdedup:charge:v2:{digest}",
+        "xcharge": f"taskdedup:xcharge:{digest}",
+        "approximate": f"taskdedup:charge:{{0badcafe.3}}{digest}",
+        "a?c": f"taskdedup:a?c:{digest}",
+        "abc": f"taskdedup:abc:{digest}",
+    }
+    for key in keys.values():
+        redis_client.set(key, LOCK_VALUE)
+    listed = as_json(run("list", "--task", "charge", "--json"))
+    assert {row["key"] for row in listed} == {keys["charge"], keys["approximate"]}
+    result = run("clear", "--task", "charge", "--yes")
+    assert result.exit_code == 0 and "deleted 2 locks" in result.stdout
+    assert not redis_client.exists(keys["charge"]) and not redis_client.exists(keys["approximate"])
+    assert redis_client.exists(keys["billing:charge"], keys["charge:v2"], keys["xcharge"]) == 3
+    scoped = run("clear", "--task", "charge", "--scope", "billing", "--yes")
+    assert "deleted 1 lock" in scoped.stdout and not redis_client.exists(keys["billing:charge"])
+    assert redis_client.exists(keys["charge:v2"])
+    assert "deleted 1 lock" in run("clear", "--task", "a?c", "--yes").stdout  # glob escaped
+    assert redis_client.exists(keys["abc"]) and not redis_client.exists(keys["a?c"])
+    alone = run("clear", "--scope", "billing", "--yes")
+    assert alone.exit_code == 1 and "--scope needs --task" in alone.stderr
+
+
+def test_clear_key_refuses_a_key_outside_the_prefix_like_inspect(
+    run: Any, redis_client: redis.Redis,
+) -> None:
+    redis_client.set("elsewhere:app:" + "0" * 32, LOCK_VALUE)  # a lock-like value elsewhere
+    redis_client.set("taskdedupx:app:" + "0" * 32, LOCK_VALUE)
+    for key in ("elsewhere:app:" + "0" * 32, "taskdedupx:app:" + "0" * 32):
+        refused = run("clear", "--key", key, "--yes")
+        assert refused.exit_code == 1 and "not a lock key" in refused.stderr
+        assert redis_client.exists(key)
+        assert "not a lock key" in run("inspect", key).stderr
+
+
+def test_a_non_utf8_key_under_the_prefix_breaks_neither_list_nor_clear_all(
+    run: Any, redis_client: redis.Redis, locks: dict[str, str],
+) -> None:
+    odd = b"taskdedup:app.\xff\xfe:" + b"2" * 32
+    redis_client.set(odd, LOCK_VALUE)
+    rows = as_json(run("list", "--limit", "0", "--json"))
+    assert set(locks.values()) < {row["key"] for row in rows}
+    shown = [row for row in rows if row["owner"] == "id-odd"]
+    assert len(shown) == 1 and "\\xff\\xfe" in shown[0]["key"]  # escaped, not raw bytes
+    table = run("list", "--limit", "0")
+    assert table.exit_code == 0 and "app.\\xff\\xfe" in table.stdout
+    assert locks["c1"] in table.stdout
+    cleared = run("clear", "--all", "--yes")
+    assert cleared.exit_code == 0 and "deleted 5 locks" in cleared.stdout
+    assert redis_client.exists(odd, *locks.values()) == 0
+
+
+def test_a_non_integer_stats_field_is_reported_and_the_rest_still_shown(
+    run: Any, redis_client: redis.Redis, dedup: Deduplicator,
+) -> None:
+    flushed_stats(dedup)
+    redis_client.hset("taskdedup:stats:app.charge", mapping={"reserved:odd": "many",
+                                                             b"\xff\x1b": b"1"})
+    redis_client.hset(b"taskdedup:stats:app.\xff", "reserved", "oops")
+    data = as_json(run("stats", "--json"))
+    assert data["app.charge"]["accepted"] == 3
+    assert data["app.charge"]["ignored_fields"] == ["reserved:odd"]
+    assert data["app.mail"]["accepted"] == 1
+    table = run("stats")
+    assert table.exit_code == 0 and "app.charge" in table.stdout and "25.0%" in table.stdout
+    assert "not an integer" in table.stdout and "\x1b" not in table.stdout
+
+
+def test_control_characters_and_markup_from_redis_are_printed_escaped(
+    run: Any, redis_client: redis.Redis,
+) -> None:
+    task = "app.\x1b[31mred[/]\x07[bold]x"
+    key = f"taskdedup:{task}:{'3' * 32}"
+    redis_client.set(key, "R||owner-\x1b]0;pwned\x07-\x9b1m")
+    redis_client.hset(f"taskdedup:stats:{task}", "reserved", 1)
+    for args in (("list",), ("inspect", key), ("stats",), ("list", "--json"),
+                 ("inspect", key, "--json"), ("stats", "--json")):
+        result = run(*args)
+        assert result.exit_code == 0, (args, result.output)
+        out = result.stdout
+        for raw in ("\x1b", "\x07", "\x9b"):
+            assert raw not in out, (args, out)
+        assert "[/]" in out and "[bold]" in out  # markup shown as text, not interpreted
+        if "--json" not in args:
+            assert "\\x1b" in out, (args, out)
