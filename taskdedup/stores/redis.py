@@ -571,6 +571,24 @@ def may_have_run(exc: StoreUnavailableError) -> bool:
     return isinstance(exc.__cause__, (RedisConnectionError, RedisTimeoutError))
 
 
+_TRANSIENT_REPLIES = ("OOM", "BUSY", "LOADING", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN",
+                      "NOSCRIPT", "READONLY")
+
+
+def refused(exc: StoreUnavailableError) -> bool:
+    """Whether Redis refused the call for what it was, not for its state: a missing ACL
+    permission (a key outside the user's pattern), a value out of range. Retrying that
+    message later would fail the same way forever, so it is the message's error (SPEC §8),
+    while a connection error, a failover or OOM is worth a retry."""
+    cause = exc.__cause__
+    if isinstance(cause, NoPermissionError):
+        return True
+    if isinstance(cause, ResponseError) and not isinstance(cause, (ReadOnlyError,
+                                                                   NoScriptError)):
+        return not str(cause).lstrip("-").startswith(_TRANSIENT_REPLIES)
+    return False
+
+
 _ENQUEUE_SHA = hashlib.sha1(SCRIPTS["enqueue"].encode()).hexdigest()
 _RESENT = "="  # enqueue.lua's ARGV[5] for a call sent again
 
