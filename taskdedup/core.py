@@ -421,8 +421,7 @@ class Deduplicator:
             elif policy.mode is Mode.UNTIL_EXPIRED:
                 outcome = self.store.complete(key, owner, policy.ttl_ms)
             else:  # the identity is free again; a tombstone tells this id's copies it ran
-                outcome = self.store.complete(key, owner, 0,  # type: ignore[call-arg]
-                                              finished_ms=policy.lease_ms)
+                outcome = self.store.complete(key, owner, 0, finished_ms=policy.lease_ms)
         except StoreUnavailableError as exc:
             self._emit(Event.STORE_ERROR, name, key, owner, detail="complete")
             logger.warning("taskdedup: could not complete %s[%s]: %s", name, owner, exc)

@@ -25,6 +25,9 @@ class Running:
     task_id: str
     key: str
     ttl: float
+    redelivery: float | None = None
+    """Seconds the broker may take to hand this task's message out again if its worker dies
+    (Celery on Redis/SQS: ``visibility_timeout`` plus the lease); None: not by time."""
 
 
 _CURRENT: ContextVar[Running | None] = ContextVar("taskdedup_running", default=None)
@@ -35,8 +38,9 @@ def current() -> Running | None:
     return _CURRENT.get()
 
 
-def enter(running: Running) -> Token[Running | None]:
-    """Mark ``running`` as the task of this context; pass the token to :func:`leave`."""
+def enter(running: Running | None) -> Token[Running | None]:
+    """Mark ``running`` as the task of this context (None: no task, e.g. a direct call
+    without an identity, which must not see its caller's); pass the token to :func:`leave`."""
     return _CURRENT.set(running)
 
 

@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from typing import Any
 
 __all__ = [
-    "HEADER", "SKIPPED", "SKIP_ATTR", "STATE_ATTR", "carried_key", "is_off", "marked", "mark",
-    "request_header",
+    "HEADER", "RUNNING_ATTR", "SKIPPED", "SKIP_ATTR", "SNAPSHOT_ATTR", "STATE_ATTR",
+    "TRACED_ATTR", "carried_key", "is_off", "marked", "mark", "request_header",
 ]
 
 HEADER = "taskdedup"
@@ -23,6 +23,9 @@ HEADER = "taskdedup"
 STATE_ATTR = "_taskdedup"  # on the request: the claimed lock key, or SKIPPED
 SKIPPED = "skipped"
 SKIP_ATTR = "_taskdedup_skipped"  # on the request: the result of a skipped duplicate
+RUNNING_ATTR = "_taskdedup_running"  # on the request: the token of taskdedup.running.enter
+TRACED_ATTR = "_taskdedup_traced"  # on the request: before_start ran, __call__ is the tracer's
+SNAPSHOT_ATTR = "_taskdedup_snapshot"  # on a redelivered request: its stored SUCCESS, if any
 _DUPLICATE_OF, _WORKFLOW = "dup", "wf"
 
 
@@ -35,9 +38,13 @@ def request_header(request: Any) -> Any:
 
 
 def carried_key(raw: Any, task_name: str) -> str | None:
-    """The lock key the caller put in the header, if it is this task's."""
-    if isinstance(raw, Mapping) and raw.get("task") == task_name and raw.get("key"):
-        return str(raw["key"])
+    """The lock key the caller put in the header, if it names this task and is a ``str``
+    (whether this task could have made it is :meth:`~taskdedup.core.Deduplicator.trusted_key`'s
+    question)."""
+    if isinstance(raw, Mapping) and raw.get("task") == task_name:
+        key = raw.get("key")
+        if isinstance(key, str) and key:
+            return key
     return None
 
 

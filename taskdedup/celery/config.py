@@ -155,6 +155,29 @@ def fused_producer(app: Celery, producer: Any = None) -> AbstractContextManager[
     return held[1].acquire(block=True, timeout=timeout)  # type: ignore[no-any-return]
 
 
+KOMBU_VISIBILITY_TIMEOUT = 3600.0
+"""kombu's default ``visibility_timeout`` (seconds) for its Redis and SQS transports."""
+_RESTORING_SCHEMES = ("redis", "rediss", "sentinel", "valkey", "valkeys", "sqs")
+
+
+def visibility_timeout(app: Celery) -> float | None:
+    """Seconds after which ``app``'s broker hands an unacked message out again (kombu's
+    Redis and SQS transports: ``broker_transport_options['visibility_timeout']``), or None
+    for a broker that redelivers only when a consumer's connection closes (RabbitMQ).
+    Read once per app."""
+    cached: tuple[float | None] | None = app.__dict__.get("_taskdedup_visibility")
+    if cached is None:
+        url = app.conf.broker_url
+        scheme = url.split("://", 1)[0].lower() if isinstance(url, str) else ""
+        seconds: float | None = None
+        transport = app.conf.broker_transport
+        if scheme in _RESTORING_SCHEMES or transport is RedisTransport or transport == TRANSPORT:
+            options = app.conf.broker_transport_options or {}
+            seconds = float(options.get("visibility_timeout") or KOMBU_VISIBILITY_TIMEOUT)
+        cached = app.__dict__["_taskdedup_visibility"] = (seconds,)
+    return cached[0]
+
+
 def _store_for(app: Celery) -> Store:
     conf = app.conf
     ready = conf.get("taskdedup_store")

@@ -18,7 +18,7 @@ from celery import signals
 from .. import running, stats
 from ..policy import Mode
 from . import _compat, claims
-from ._message import HEADER, SKIPPED, STATE_ATTR, request_header
+from ._message import HEADER, RUNNING_ATTR, SKIPPED, SNAPSHOT_ATTR, STATE_ATTR, request_header
 from .config import get_deduplicator, say_publish_path
 from .task import DedupTask
 
@@ -29,14 +29,25 @@ def _dedup_task(sender: Any) -> DedupTask | None:
     return sender if isinstance(sender, DedupTask) and sender._dedup_policy is not None else None
 
 
+def _own_key(task: DedupTask, request: Any, task_id: str | None) -> str | None:
+    """The lock this execution claimed, or None: nothing of its own to complete or release.
+    A request marked skipped (a duplicate, or a copy of a message whose other copy runs in
+    this very process under the same id) owns nothing, whatever the claims table says."""
+    state = getattr(request, STATE_ATTR, None) if request is not None else None
+    if state == SKIPPED:
+        return None
+    key = claims.lookup(task_id, task.name) or state
+    claims.forget(task_id)
+    return str(key) if key else None
+
+
 def _on_success(sender: Any = None, **_: Any) -> None:
     task = _dedup_task(sender)
     if task is None:
         return
     request = task.request
-    key = claims.lookup(request.id, task.name) or getattr(request, STATE_ATTR, None)
-    claims.forget(request.id)
-    if key and key != SKIPPED:
+    key = _own_key(task, request, request.id)
+    if key:
         get_deduplicator(task.app).finish(
             task.name, task._dedup_policy, key, request.id, success=True  # type: ignore[arg-type]
         )
@@ -73,9 +84,8 @@ def _on_retry(sender: Any = None, request: Any = None, **_: Any) -> None:
     task = _dedup_task(sender)
     if task is None or request is None:
         return
-    key = claims.lookup(request.id, task.name) or getattr(request, STATE_ATTR, None)
-    claims.forget(request.id)
-    if not key or key == SKIPPED:
+    key = _own_key(task, request, request.id)
+    if not key:
         return
     dedup = get_deduplicator(task.app)
     if task._dedup_policy.mode is Mode.WHILE_EXECUTING:  # type: ignore[union-attr]
@@ -97,17 +107,37 @@ def _on_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
         get_deduplicator(task.app).release(task.name, key, task_id, reason="revoked")
 
 
+def _on_prerun(sender: Any = None, task_id: str | None = None, **_: Any) -> None:
+    """A redelivered message of a task that tracks STARTED: read its stored state before the
+    tracer overwrites it, so a copy of a call that already succeeded can put the SUCCESS
+    back (``DedupTask._restore_success``). One backend read, redelivered messages only."""
+    task = _dedup_task(sender)
+    if task is None or not task.track_started or task.ignore_result:
+        return
+    request = task.request
+    if not (request.delivery_info or {}).get("redelivered"):
+        return
+    try:
+        meta = task.backend.get_task_meta(task_id)
+    except Exception:  # the backend is down: nothing to put back
+        return
+    if meta.get("status") == "SUCCESS":
+        setattr(request, SNAPSHOT_ATTR, meta)
+
+
 def _on_postrun(sender: Any = None, task_id: str | None = None, state: str | None = None,
                 **_: Any) -> None:
-    running.leave()  # set by DedupTask.before_start
-    if state not in ("IGNORED", "REJECTED"):
-        return
     task = _dedup_task(sender)
-    if task is None or task_id is None:
+    if task is None:
         return
-    key = claims.lookup(task_id, task.name) or getattr(task.request, STATE_ATTR, None)
-    claims.forget(task_id)
-    if key and key != SKIPPED:
+    request = task.request
+    token = request.__dict__.pop(RUNNING_ATTR, None) if request is not None else None
+    if token is not None:  # set by DedupTask.before_start: back to the enclosing identity
+        running.leave(token)
+    if state not in ("IGNORED", "REJECTED") or task_id is None:
+        return
+    key = _own_key(task, request, task_id)
+    if key:
         get_deduplicator(task.app).release(task.name, key, task_id, reason=state.lower())
 
 
@@ -121,12 +151,16 @@ def _lock_key(
     received; and only as a last resort a recomputation from the arguments (a message sent
     by name, or by a client without taskdedup). None: nothing of this id's to release.
     A wrong key releases nothing: every release is compare-and-delete by ``task_id``."""
-    claimed = claims.lookup(task_id, task.name)
-    if claimed is not None:
-        return claimed
     if request is None:
         current = task.request
         request = current if current is not None and current.id == task_id else None
+    if request is not None and not isinstance(request, dict) and getattr(
+        request, STATE_ATTR, None
+    ) == SKIPPED:
+        return None
+    claimed = claims.lookup(task_id, task.name)
+    if claimed is not None:
+        return claimed
     if request is not None:
         if isinstance(request, dict):
             raw = request.get(HEADER)
@@ -164,6 +198,7 @@ signals.task_retry.connect(_on_retry, weak=False)
 signals.task_revoked.connect(_on_revoked, weak=False)
 signals.task_internal_error.connect(_on_internal_error, weak=False)
 signals.task_received.connect(lambda request=None, **_: claims.receive(request), weak=False)
+signals.task_prerun.connect(_on_prerun, weak=False)
 signals.task_postrun.connect(_on_postrun, weak=False)
 
 

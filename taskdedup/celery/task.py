@@ -19,7 +19,7 @@ from dataclasses import fields
 from datetime import UTC, datetime
 from typing import Any
 
-from celery import Celery, Task
+from celery import Celery, Task, states
 from celery.exceptions import Ignore, Retry
 from celery.signals import after_task_publish, before_task_publish
 
@@ -30,13 +30,16 @@ from ..exceptions import ConfigurationError, DuplicateTaskError, StoreUnavailabl
 from ..policy import OnDuplicate, Policy, is_disabled
 from ..running import Running
 from ..stores.base import LockState
-from ..stores.redis import may_have_run
+from ..stores.redis import may_have_run, refused
 from . import _compat, claims, eager
 from ._message import (
     HEADER,
+    RUNNING_ATTR,
     SKIP_ATTR,
     SKIPPED,
+    SNAPSHOT_ATTR,
     STATE_ATTR,
+    TRACED_ATTR,
     carried_key,
     is_off,
     mark,
@@ -44,7 +47,7 @@ from ._message import (
     request_header,
 )
 from .batch import BATCH, Deferred
-from .config import fused_producer, fuses, get_deduplicator
+from .config import fused_producer, fuses, get_deduplicator, visibility_timeout
 from .transport import FUSED, Fused, RedisTransport
 
 __all__ = ["DedupTask", "DuplicateExecution", "NO_RESERVE", "skipped_info"]
@@ -52,6 +55,7 @@ __all__ = ["DedupTask", "DuplicateExecution", "NO_RESERVE", "skipped_info"]
 NO_RESERVE = "_taskdedup_no_reserve"
 _CALLBACK_OPTIONS = ("link", "link_error", "chain", "chord", "group_id")
 _STORE_RETRY_COUNTDOWN = 5.0
+_DEFER_MIN = 1.0  # seconds: the shortest wait of a copy put off (SPEC §5)
 # RedisTransport: check first (a separate reserve) while more than half of the recent calls
 # of a task were duplicates; the average weighs the last ~10 calls.
 _CHECK_FIRST_ABOVE = 0.5
@@ -140,8 +144,9 @@ class DedupTask(Task):  # type: ignore[misc]
             return publish(task_id, headers)
 
         headers = dict(options.get("headers") or {})
-        carried = carried_key(headers.get(HEADER), self.name)
         dedup = get_deduplicator(self.app)
+        carried = dedup.trusted_key(self.name, policy, carried_key(headers.get(HEADER),
+                                                                   self.name))
         if carried is not None:  # a retry or a republish: same identity, same id
             identity = Identity(carried)
         else:
@@ -363,41 +368,146 @@ class DedupTask(Task):  # type: ignore[misc]
     # -- worker guard ---------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the body, or return the result of a skipped duplicate (``before_start``)."""
-        skipped = getattr(self.request, SKIP_ATTR, None)
-        if skipped is not None:
-            return skipped
-        return super().__call__(*args, **kwargs)
+        """Run the body, or return the result of a skipped duplicate (``before_start``).
+
+        Called by the worker's tracer right after ``before_start`` (which marks the request),
+        or directly in-process (``task(...)``, e.g. from another task's body): a direct call
+        runs with an identity of its own, never its caller's, restored when it returns."""
+        request = self.request
+        if request.__dict__.pop(TRACED_ATTR, False):
+            skipped = getattr(request, SKIP_ATTR, None)
+            if skipped is not None:
+                return skipped
+            return super().__call__(*args, **kwargs)
+        token = running.enter(self._direct_identity(args, kwargs))
+        try:
+            return super().__call__(*args, **kwargs)
+        finally:
+            running.leave(token)
+
+    def _direct_identity(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Running | None:
+        """The running identity of a direct in-process call: its own key (None when dedup is
+        off or its arguments have no identity), under its caller's redelivery delay."""
+        policy = self._dedup_policy
+        if policy is None or is_disabled():
+            return None
+        try:
+            key = get_deduplicator(self.app).identity(
+                self.name, policy, args, kwargs, func=self._func()).key
+        except TypeError:
+            return None
+        outer = running.current()
+        return Running(self.name, str(uuid.uuid4()), key, policy.ttl,
+                       redelivery=outer.redelivery if outer is not None else None)
 
     def before_start(self, task_id: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
-        """Claim the running lock; skip the body of a duplicate."""
+        """Claim the running lock; skip the body of a duplicate; put off a concurrent copy of
+        this very message; end a redelivery of a call that already succeeded."""
         super().before_start(task_id, args, kwargs)
         request = self.request
+        setattr(request, TRACED_ATTR, True)  # the tracer's call, not a direct one
         policy = self._dedup_policy
         raw = request_header(request)
         if policy is None or is_disabled() or is_off(raw, self.name):
             return
-        key = carried_key(raw, self.name)
+        dedup = get_deduplicator(self.app)
+        key = self._carried(dedup, policy, raw, task_id)
         duplicate = marked(raw, self.name)
         if duplicate is not None:  # found at enqueue, published anyway (workflow, retry)
             logger.debug("taskdedup: skipped %s[%s]: a duplicate of %s found when it was "
                          "published", self.name, task_id, duplicate[0])
             self._skip(request, key, duplicate[0], None, workflow=duplicate[1])
             return
-        dedup = get_deduplicator(self.app)
         if key is None:  # sent by name, or from a client without taskdedup
             key = dedup.identity(self.name, policy, args, kwargs, func=self._func()).key
         try:
             result = dedup.start(self.name, policy, key, task_id)
         except StoreUnavailableError as exc:
+            if refused(exc):
+                raise ConfigurationError(
+                    f"taskdedup: Redis refused the claim of {self.name}[{task_id}] on {key!r}: "
+                    f"{exc.__cause__}; the lock store's user lacks a permission or the value "
+                    "is out of range: run `taskdedup doctor` (retrying would fail the same "
+                    "way)") from exc
             raise self._retry_later(exc) from exc
-        if result.verdict is Verdict.DUPLICATE:
+        verdict = result.verdict
+        if verdict is Verdict.DEFERRED:
+            setattr(request, STATE_ATTR, SKIPPED)
+            raise self._defer(policy)
+        if verdict is Verdict.FINISHED:
+            setattr(request, STATE_ATTR, SKIPPED)
+            self._restore_success(request)
+            raise Ignore()  # acked: no result, no event, no callbacks, nothing propagated
+        if verdict is Verdict.DUPLICATE:
             self._skip(request, key, result.existing_id, result.state, workflow=False)
             return
-        if result.verdict is Verdict.ACCEPTED and policy.mode.gates_execution:
+        if verdict is Verdict.ACCEPTED and policy.mode.gates_execution:
             setattr(request, STATE_ATTR, key)
             claims.record(task_id, self.name, key)
-        running.enter(Running(self.name, task_id, key, policy.ttl))  # left in task_postrun
+        # left in task_postrun, which restores the identity of an enclosing execution
+        setattr(request, RUNNING_ATTR, running.enter(Running(
+            self.name, task_id, key, policy.ttl, redelivery=self._redelivery(policy))))
+
+    def _restore_success(self, request: Any) -> None:
+        """With ``task_track_started`` the tracer wrote STARTED over the first run's SUCCESS
+        before ``before_start``; put back what ``task_prerun`` read (a redelivered message
+        only), so the id's result stays the first run's."""
+        meta = request.__dict__.pop(SNAPSHOT_ATTR, None)
+        if meta is not None:
+            self.backend.store_result(request.id, meta.get("result"), states.SUCCESS,
+                                      request=request)
+
+    def _carried(
+        self, dedup: Any, policy: Policy, raw: Any, task_id: str
+    ) -> str | None:
+        """The lock key the message carries, when it is one this task could have made
+        (SPEC §8: a forged or malformed header key is ignored, and the identity recomputed)."""
+        carried = raw.get("key") if isinstance(raw, Mapping) and raw.get(
+            "task") == self.name else None
+        if carried is None:
+            return None
+        key: str | None = dedup.trusted_key(self.name, policy, carried)
+        if key is None:
+            logger.warning(
+                "taskdedup: %s[%s] carries a lock key in its %r header that this task would "
+                "not make (%s of %d characters): ignored, the identity is recomputed from the "
+                "arguments", self.name, task_id, HEADER, type(carried).__name__,
+                len(carried) if isinstance(carried, str) else 0,
+            )
+        return key
+
+    def _redelivery(self, policy: Policy) -> float | None:
+        """How long the broker may take to hand this message out again if its worker dies:
+        the visibility timeout plus the lease (None: only when the connection closes)."""
+        timeout = visibility_timeout(self.app)
+        return None if timeout is None else timeout + policy.lease
+
+    def _defer(self, policy: Policy) -> Ignore:
+        """Put off this copy of a message whose other copy runs now (SPEC §5): republish the
+        very message (same id, same retries: not a retry) for a little later, and end this
+        one without an outcome. The delay stays under the visibility timeout (so the broker
+        does not copy the republished message again) and under the lease (so a dead
+        original's lapse is noticed soon)."""
+        request = self.request
+        delay = max(_DEFER_MIN, policy.lease / 4)
+        timeout = visibility_timeout(self.app)
+        if timeout is not None:
+            delay = max(0.1, min(delay, timeout / 2))
+        if request.is_eager:
+            raise ConfigurationError(
+                f"{self.name}[{request.id}] runs eagerly while another execution of the same "
+                "id holds its lock: give each eager call its own id")
+        try:
+            self.signature_from_request(request, countdown=delay).apply_async(
+                **{NO_RESERVE: True})
+        except Exception as exc:  # the running copy still holds its own message
+            logger.warning("taskdedup: could not put off the copy of %s[%s] (%s): it is "
+                           "dropped; the running copy holds its own message",
+                           self.name, request.id, exc)
+        else:
+            logger.debug("taskdedup: %s[%s] runs in another copy: this one is put off %.1fs",
+                         self.name, request.id, delay)
+        return Ignore()
 
     def _skip(
         self, request: Any, key: str | None, existing_id: str | None, state: LockState | None,
