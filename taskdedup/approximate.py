@@ -33,11 +33,23 @@ the slices of its partition share it, hence a slot: the reservation script touch
 keys of one slot, and a task's partitions spread over as many slots. Each slice bitmap ends
 with a tail after its ``m`` bits: identities added (u32), ``k`` (u8), ``slices`` (u8) and the
 index of the first slice of this partition still counted (i64), read by ``taskdedup stats``.
+
+The server's clock (``TIME`` in the scripts) decides which slice a success goes into, which
+slices a call checks and when a slice expires; a caller only passes the slice keys of a span
+of indices around its own clock (:meth:`Probe.span`). A caller whose clock is off by more
+than a slice is told the server's time and calls again (the Redis store then keeps that
+offset), so no clock opens a gap in the window.
+
+An explicit ``dedup_key`` (a non-empty argument digest, ``check``) also adds, at success, a
+second filter identity derived from the digest and ``check``: a later call with the key
+whose own pair is not remembered is ``IdempotencyKeyMismatch``, as on the exact tier (SPEC
+§3). Such a success takes two identities' room in the filter.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 import threading
 import zlib
@@ -187,7 +199,13 @@ def split_lock_key(key: str) -> tuple[str, str, str, str] | None:
 
 @dataclass(slots=True)
 class Probe:
-    """What the scripts need to check, or add, one identity under an approximate window."""
+    """What the scripts need to check, or add, one identity under an approximate window.
+
+    The server's clock decides which slices are live and which one is current (SPEC §12):
+    a call passes the slice keys of a span of indices around its own clock (:meth:`span`)
+    and the script takes the live ones on the server's ``TIME``, so a client clock off by
+    up to a slice either way changes nothing.
+    """
 
     window: Approximate
     slice_prefix: str
@@ -196,18 +214,43 @@ class Probe:
     """The ``k`` bit positions, comma-separated (a script argument)."""
     slice_ms: int
     ttl_ms: int
+    digest: str
+    """The identity's 32-hex digest (the argument check's filter identity derives from it)."""
 
     def index(self, now_ms: int) -> int:
         return now_ms // self.slice_ms
 
     def keys(self, now_ms: int) -> list[str]:
-        """The live slice keys at ``now_ms``, current first."""
+        """The live slice keys at ``now_ms`` (the server's clock), current first."""
         index = now_ms // self.slice_ms
         return [f"{self.slice_prefix}{index - back}" for back in range(self.window.slices + 1)]
+
+    def span(self, now_ms: int) -> tuple[int, list[str]]:
+        """The first index and the slice keys, oldest first, that a call whose clock reads
+        ``now_ms`` passes: ``index - (slices + 1)`` to ``index + 1``, the live slices of any
+        server clock within a slice of ``now_ms``."""
+        first = now_ms // self.slice_ms - self.window.slices - 1
+        return first, [f"{self.slice_prefix}{first + i}"
+                       for i in range(self.window.slices + 3)]
+
+    def argument(self, first: int) -> str:
+        """The window argument of the scripts for keys from index ``first``:
+        ``first:slice_ms:ttl_ms:m:k:slices:p1,p2,...`` (``seen`` in ``_lib.lua``)."""
+        window = self.window
+        return (f"{first}:{self.slice_ms}:{self.ttl_ms}:{window.bits}:{window.hashes}:"
+                f"{window.slices}:{self.positions}")
 
     def expire_at_ms(self, index: int) -> int:
         """When slice ``index`` stops being live (its last identity is ``ttl`` old)."""
         return (index + 1) * self.slice_ms + self.ttl_ms
+
+    def check_positions(self, check: str) -> list[int]:
+        """The bit positions of the filter identity of this identity *and* the argument
+        digest ``check`` (an explicit key's arguments, SPEC §3): added beside the identity at
+        success, so a later call with the key and other arguments is told apart (the same
+        derivation as ``check_bits`` in ``_lib.lua``)."""
+        pair = hashlib.sha1(f"{self.digest}:{check}".encode()).hexdigest()
+        return self.window.positions(pair[:32])[1]
 
 
 def probe(key: str, window: Approximate, ttl_ms: int) -> Probe | None:
@@ -219,7 +262,7 @@ def probe(key: str, window: Approximate, ttl_ms: int) -> Probe | None:
     _, positions = window.positions(digest)
     slice_ms = max(1, ttl_ms // window.slices)
     return Probe(window, f"{prefix}:{_BLOOM}:{task}:{{{tag}}}:",
-                 ",".join(map(str, positions)), slice_ms, ttl_ms)
+                 ",".join(map(str, positions)), slice_ms, ttl_ms, digest)
 
 
 def slice_pattern(prefix: str) -> str:

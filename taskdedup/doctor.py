@@ -131,7 +131,8 @@ def _window_check(client: Any, prefix: str) -> Finding:
     probes = {
         "setbit": ("SETBIT", key, 7, 1), "getbit": ("GETBIT", key, 7),
         "bitfield": ("BITFIELD", key, "GET", "u8", 0), "exists": ("EXISTS", key),
-        "pexpireat": ("PEXPIREAT", key, expires_ms), "bitcount": ("BITCOUNT", key),
+        "pexpireat": ("PEXPIREAT", key, expires_ms), "time": ("TIME",),
+        "bitcount": ("BITCOUNT", key),
         "strlen": ("STRLEN", key),
     }
     pipe = client.pipeline(transaction=False)

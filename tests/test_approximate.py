@@ -1,16 +1,17 @@
 """Approximate windows (SPEC §12): rotating Bloom filters behind ``until_expired``.
 
 The store-level tests run over MemoryStore and a real Redis server; slice rotation is driven
-by a fake clock (MemoryStore's clock; on Redis, the clock the store reads slice indexes from),
-and once in real time on Redis with a short ttl.
+by a fake clock (MemoryStore's clock; on Redis, the server's clock the scripts read, frozen
+and moved by :class:`ServerClock`), and once in real time on Redis with a short ttl
+(tests/test_approximate_clock.py runs on the real server clock with skewed client clocks).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import random
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -104,6 +105,35 @@ def test_the_lock_and_its_slices_share_a_hash_tag_and_the_key_stays_readable() -
 # -- the stores -----------------------------------------------------------------------------------
 
 
+class ServerClock:
+    """The server's clock as the approximate-window scripts read it, frozen and moved by the
+    test: RedisStores made after it run scripts whose ``TIME`` reading is replaced by a value
+    kept in a key (not a product hook: the shipped scripts always read ``TIME``)."""
+
+    KEY = "taskdedup-test:server-clock-ms"
+    TIME = "local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)"
+
+    def __init__(self, client: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+        fake = f"local now = tonumber(redis.call('GET', '{self.KEY}'))"
+        scripts = {}
+        for name, source in redis_store.SCRIPTS.items():
+            assert source.count(self.TIME) == 1, "the window's clock reading moved"
+            scripts[name] = source.replace(self.TIME, fake)
+        monkeypatch.setattr(redis_store, "SCRIPTS", scripts)
+        monkeypatch.setattr(redis_store, "_ENQUEUE_SHA",
+                            hashlib.sha1(scripts["enqueue"].encode()).hexdigest())
+        monkeypatch.setattr(redis_store, "_offset_ms", 0)
+        self.client = client
+        seconds, micros = client.time()
+        client.set(self.KEY, int(seconds) * 1000 + int(micros) // 1000)
+
+    def now_ms(self) -> int:
+        return int(self.client.get(self.KEY))  # type: ignore[arg-type]
+
+    def advance(self, seconds: float) -> None:
+        self.client.incrby(self.KEY, int(seconds * 1000))
+
+
 class Env:
     """A store, a Deduplicator over it and a clock that moves the slices (fake time)."""
 
@@ -120,14 +150,9 @@ def env(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iter
         yield Env(MemoryStore(clock=clock), clock.advance)
         return
     client = request.getfixturevalue("redis_client")
-    now = [int(time.time() * 1000)]
-    monkeypatch.setattr(redis_store, "_now_ms", lambda: now[0])
-
-    def advance(seconds: float) -> None:
-        now[0] += int(seconds * 1000)
-
+    clock = ServerClock(client, monkeypatch)
     store = RedisStore(client)
-    yield Env(store, advance)
+    yield Env(store, clock.advance)
 
 
 POLICY = Policy(ttl=40, lease=30, window=Approximate(capacity=1000, error_rate=0.01))

@@ -64,7 +64,7 @@ def test_cluster_keeps_each_lock_with_its_slices_and_spreads_a_task_over_slots(
 
 # -- ACL: the commands docs/how-to/approximate-windows.md lists --------------------------------
 
-WINDOW_COMMANDS = ["+getbit", "+setbit", "+bitfield", "+exists", "+pexpireat"]
+WINDOW_COMMANDS = ["+getbit", "+setbit", "+bitfield", "+exists", "+pexpireat", "+time"]
 STATS_COMMANDS = ["+bitcount", "+strlen", "+scan"]
 GUIDE = Path(__file__).resolve().parent.parent / "docs" / "how-to" / "approximate-windows.md"
 

@@ -5,7 +5,6 @@ slices dropped); nothing is read on the hot path."""
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import redis
@@ -14,7 +13,7 @@ from click.testing import CliRunner
 from taskdedup import Approximate, Deduplicator, Policy, RedisStore
 from taskdedup.cli import main
 from taskdedup.stats import read_windows
-from taskdedup.stores import redis as redis_store
+from tests.test_approximate import ServerClock
 
 NAME = "tests.approx.stats"
 WINDOW = Approximate(capacity=400, error_rate=0.01, slices=4, partitions=2)
@@ -22,10 +21,13 @@ POLICY = Policy(ttl=40, window=WINDOW)  # slices of 10 s
 
 
 @pytest.fixture
-def filled(redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """30, then 20 identities remembered in two consecutive slices (a fake slice clock)."""
-    now = [int(time.time() * 1000)]
-    monkeypatch.setattr(redis_store, "_now_ms", lambda: now[0])
+def clock(redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> ServerClock:
+    return ServerClock(redis_client, monkeypatch)
+
+
+@pytest.fixture
+def filled(redis_client: redis.Redis, clock: ServerClock) -> list[int]:
+    """30, then 20 identities remembered in two consecutive slices (a fake server clock)."""
     dedup = Deduplicator(RedisStore(redis_client))
     counts = [30, 20]
     number = 0
@@ -35,7 +37,7 @@ def filled(redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> list[i
             assert dedup.start(NAME, POLICY, key, f"t{number}").verdict.value == "accepted"
             dedup.finish(NAME, POLICY, key, f"t{number}", success=True)
             number += 1
-        now[0] += 10_000
+        clock.advance(10)
     return counts
 
 
@@ -57,17 +59,16 @@ def test_read_windows_reports_fill_false_positives_identities_and_slices(
 
 
 def test_slices_rotated_out_are_counted_as_dropped(
-    redis_client: redis.Redis, filled: list[int], monkeypatch: pytest.MonkeyPatch
+    redis_client: redis.Redis, filled: list[int], clock: ServerClock
 ) -> None:
     """The fixture filled slices i and i + 1; successes go on through slices i + 2 .. i + 6,
     one slice at a time. Slices i and i + 1 then leave the window (their keys, whose expiry
     is on the real clock, are removed as Redis would on the fake one)."""
-    first = redis_store._now_ms() - 20_000
     dedup = Deduplicator(RedisStore(redis_client))
     number = 100
     for step in range(2, 7):
-        at = first + step * 10_000
-        monkeypatch.setattr(redis_store, "_now_ms", lambda at=at: at)
+        if step > 2:
+            clock.advance(10)
         for _ in range(20):
             key = dedup.identity(NAME, POLICY, (number,)).key
             dedup.start(NAME, POLICY, key, f"t{number}")
@@ -78,7 +79,7 @@ def test_slices_rotated_out_are_counted_as_dropped(
 
     probe = approximate.probe(probe_key, WINDOW, POLICY.ttl_ms)
     assert probe is not None
-    live_indexes = {k.rsplit(":", 1)[1] for k in probe.keys(redis_store._now_ms())}
+    live_indexes = {k.rsplit(":", 1)[1] for k in probe.keys(clock.now_ms())}
     for key in list(redis_client.scan_iter(match="taskdedup:bloom:*")):
         if key.decode().rsplit(":", 1)[1] not in live_indexes:
             redis_client.delete(key)  # its life ended on the fake clock

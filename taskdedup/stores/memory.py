@@ -135,12 +135,8 @@ class MemoryStore:
             return None
         return entry
 
-    def _seen(self, window: Probe | None, now: float) -> bool:
-        """Whether a live slice of ``window`` holds every bit of the identity (``seen`` in
-        ``_lib.lua``)."""
-        if window is None:
-            return False
-        positions = [int(p) for p in window.positions.split(",")]
+    def _held(self, window: Probe, positions: list[int], now: float) -> bool:
+        """Whether a live slice of ``window`` has every bit of ``positions`` set."""
         for slice_key in window.keys(int(now * 1000)):
             entry = self._slice(slice_key, now)
             if entry is None:
@@ -150,6 +146,18 @@ class MemoryStore:
                 return True
         return False
 
+    def _seen(self, window: Probe | None, now: float, check: str = "") -> LockResult | None:
+        """The answer for an absent lock under ``window`` (``seen`` in ``_lib.lua``):
+        DUPLICATE when a live slice remembers the identity, MISMATCH when ``check`` (an
+        explicit key's argument digest) is not remembered with it; None to go on."""
+        if window is None:
+            return None
+        if not self._held(window, [int(p) for p in window.positions.split(",")], now):
+            return None
+        if check and not self._held(window, window.check_positions(check), now):
+            return LockResult(Outcome.MISMATCH, None, LockState.DONE)
+        return LockResult(Outcome.DUPLICATE, None, LockState.DONE)
+
     def _reserve(
         self, key: str, owner: str, ttl_ms: int, check: str, now: float, replace: bool,
         fresh: bool = False, window: Probe | None = None,
@@ -157,8 +165,9 @@ class MemoryStore:
         entry = self._free(key, owner, now)
         expires = now + ttl_ms / 1000
         if entry is None:
-            if self._seen(window, now):
-                return LockResult(Outcome.DUPLICATE, None, LockState.DONE)
+            known = self._seen(window, now, check)
+            if known is not None:
+                return known
             self._write(key, LockState.QUEUED, check, owner, expires)
             return LockResult(Outcome.ACQUIRED)
         parsed = parse_value(entry[0])
@@ -236,8 +245,9 @@ class MemoryStore:
             entry = self._free(key, owner, now)
             expires = now + lease_ms / 1000
             if entry is None:
-                if self._seen(window, now):
-                    return LockResult(Outcome.DUPLICATE, None, LockState.DONE)
+                known = self._seen(window, now)
+                if known is not None:
+                    return known
                 self._write(key, LockState.RUNNING, "", owner, expires)
                 return LockResult(Outcome.ACQUIRED)
             parsed = parse_value(entry[0])
@@ -311,14 +321,18 @@ class MemoryStore:
                                window.expire_at_ms(index) / 1000, 0, origin)
                 self._slices[keys[0]] = entry
             bitmap = entry.bits
-            new = False
-            for p in map(int, window.positions.split(",")):
-                mask = 0x80 >> (p & 7)
-                if not bitmap[p >> 3] & mask:
-                    bitmap[p >> 3] |= mask
-                    new = True
-            if new:
-                entry.added += 1
+            added = [[int(p) for p in window.positions.split(",")]]
+            if owned[0][1]:  # an explicit key's check: the pair too (SPEC §3)
+                added.append(window.check_positions(owned[0][1]))
+            for positions in added:
+                new = False
+                for p in positions:
+                    mask = 0x80 >> (p & 7)
+                    if not bitmap[p >> 3] & mask:
+                        bitmap[p >> 3] |= mask
+                        new = True
+                if new:
+                    entry.added += 1
             return Remembered(Outcome.OK, entry.added, created, index)
 
     def slices(self) -> dict[str, tuple[bytes, int, int]]:

@@ -127,12 +127,39 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
+# The server's clock minus this process's (ms), as a script last told it: approximate windows
+# run on the server's clock, and a caller only has to pass slice keys around it.
+_offset_ms = 0
+
+# A call whose slice keys missed the server's clock is made again with keys around the time
+# the server answered; this many tries in all (a slice passing during a round trip).
+_WINDOW_TRIES = 3
+
+
 def window_keys(key: str, window: Probe | None) -> tuple[list[str], list[str]]:
-    """KEYS and the extra ARGV of a gate or claim on ``key`` under ``window`` (if any): the
-    lock, then the live slices (current first); the identity's bit positions."""
+    """KEYS and the extra ARGV of a script on ``key`` under ``window`` (if any): the lock,
+    then the slice keys of a span of indices around this process's idea of the server's
+    clock; the window argument (``seen`` in ``_lib.lua``)."""
     if window is None:
         return [key], []
-    return [key, *window.keys(_now_ms())], [window.positions]
+    first, keys = window.span(_now_ms() + _offset_ms)
+    return [key, *keys], [window.argument(first)]
+
+
+def _late(reply: Any) -> bool:
+    """Whether ``reply`` is a script's ``{0, server ms}``: the slice keys it was given miss
+    the server's clock (nothing was written). Learns the server's clock from it."""
+    if type(reply) is not list or reply[0] != 0:
+        return False
+    global _offset_ms
+    _offset_ms = int(reply[1]) - _now_ms()
+    return True
+
+
+def _clock_error(key: str) -> StoreUnavailableError:
+    return StoreUnavailableError(
+        f"taskdedup could not place {key!r} in its approximate window: the server's clock "
+        f"moved by more than a slice during each of {_WINDOW_TRIES} calls; {_ALLOW_HINT}")
 
 
 def redact_url(url: str) -> str:
@@ -303,6 +330,21 @@ class RedisStore:
         except RedisError as exc:
             raise self._unavailable(f"{action} {key!r}", exc) from exc
 
+    def _eval_window(self, script: Script, action: str, key: str, window: Probe | None,
+                     *args: str | int) -> Any:
+        """:meth:`_eval` of ``script`` on ``key`` and, under ``window``, the slice keys around
+        the server's clock and the window argument after ``args``. A reply telling that the
+        keys missed the server's clock (a caller off by more than a slice; nothing was
+        written) is followed by the same call with keys around the server's time."""
+        if window is None:
+            return self._eval(script, action, key, *args)
+        for _ in range(_WINDOW_TRIES):
+            keys, extra = window_keys(key, window)
+            reply = self._eval_keys(script, action, keys, *args, *extra)
+            if not _late(reply):
+                return reply
+        raise _clock_error(key)
+
     def _eval_keys(self, script: Script, action: str, keys: list[str], *args: str | int) -> Any:
         """:meth:`_eval` with several keys (an approximate window's lock and its slices, all
         of one hash tag: one slot)."""
@@ -332,9 +374,8 @@ class RedisStore:
         check_owner(owner)
         check_ms("ttl_ms", ttl_ms)
         check_check(check)
-        keys, extra = window_keys(key, window)
-        return _result(self._eval_keys(self._reserve, "reserve", keys, owner, ttl_ms, check,
-                                       "1" if fresh else "0", *extra))
+        return _result(self._eval_window(self._reserve, "reserve", key, window, owner, ttl_ms,
+                                         check, "1" if fresh else "0"))
 
     def replace(
         self, key: str, owner: str, ttl_ms: int, check: str = "", *, fresh: bool = False,
@@ -344,9 +385,8 @@ class RedisStore:
         check_owner(owner)
         check_ms("ttl_ms", ttl_ms)
         check_check(check)
-        keys, extra = window_keys(key, window)
-        return _result(self._eval_keys(self._replace, "replace", keys, owner, ttl_ms, check,
-                                       "1" if fresh else "0", *extra))
+        return _result(self._eval_window(self._replace, "replace", key, window, owner, ttl_ms,
+                                         check, "1" if fresh else "0"))
 
     def claim(
         self, key: str, owner: str, lease_ms: int, *, window: Probe | None = None
@@ -354,23 +394,18 @@ class RedisStore:
         """See :meth:`taskdedup.stores.Store.claim` (``window`` as in :meth:`reserve`)."""
         check_owner(owner)
         check_ms("lease_ms", lease_ms)
-        keys, extra = window_keys(key, window)
-        return _result(self._eval_keys(self._claim, "claim", keys, owner, lease_ms, *extra))
+        return _result(self._eval_window(self._claim, "claim", key, window, owner, lease_ms))
 
     def remember(self, key: str, owner: str, window: Probe) -> Remembered:
         """Success under an approximate window: the owner's RUNNING lock is deleted and the
-        identity added to the current slice, in one script (``complete.lua``)."""
+        identity added to the current slice on the server's clock (with the pair of the
+        identity and its argument check, for an explicit key), in one script
+        (``complete.lua``)."""
         check_owner(owner)
-        now_ms = _now_ms()
-        index = window.index(now_ms)
-        approx = window.window
-        reply = self._eval_keys(
-            self._complete, "complete", [key, *window.keys(now_ms)], owner, 0,
-            window.positions, index, window.expire_at_ms(index), approx.bits, approx.hashes,
-            approx.slices,
-        )
+        reply = self._eval_window(self._complete, "complete", key, window, owner, 0)
         if isinstance(reply, list):
-            return Remembered(_OUTCOMES[reply[0]], int(reply[1]), bool(reply[2]), index)
+            return Remembered(_OUTCOMES[reply[0]], int(reply[1]), bool(reply[2]),
+                              int(reply[3]))
         return Remembered(_OUTCOMES[reply])
 
     def heartbeat(self, key: str, owner: str, lease_ms: int) -> Outcome:
@@ -458,15 +493,20 @@ class RedisStore:
         flag = "1" if fresh else "0"
         results: list[LockResult | None] = [None] * len(items)
         pending: Sequence[int] = range(len(items))
-        # KEYS and ARGV per item: the lock (and a window's live slices), then the arguments
+        # KEYS and ARGV per item: the lock (and a window's slice keys), then the arguments
         calls: list[tuple[Any, ...]] = [(1, *item, flag) for item in items]
+
+        def windowed(index: int, window: Probe) -> tuple[Any, ...]:
+            key, owner, ttl_ms, check = items[index]
+            keys, extra = window_keys(key, window)
+            return (len(keys), *keys, owner, ttl_ms, check, flag, *extra)
+
         for index, window in enumerate(windows or ()):
             if window is not None:
-                key, owner, ttl_ms, check = items[index]
-                keys, extra = window_keys(key, window)
-                calls[index] = (len(keys), *keys, owner, ttl_ms, check, flag, *extra)
+                calls[index] = windowed(index, window)
+        lost = late = 0
         try:
-            for _attempt in range(2):
+            while True:
                 load = not self._bulk_ready
                 if load and isinstance(self.client, RedisCluster):
                     # SCRIPT LOAD cannot ride in a cluster pipeline (it has no key); the
@@ -485,18 +525,30 @@ class RedisStore:
                     del replies[0]
                 self._bulk_ready = True
                 missing = []
+                behind = []  # a window's keys missed the server's clock: again around it
                 for index, reply in zip(pending, replies, strict=True):
                     if isinstance(reply, NoScriptError):
                         missing.append(index)
                     elif isinstance(reply, RedisError):
                         raise reply
+                    elif reply[0] == 0 and windows is not None and _late(reply):
+                        behind.append(index)
                     else:
                         results[index] = _result(reply)
-                if not missing:
+                if not missing and not behind:
                     return results  # type: ignore[return-value]  # every slot is filled
-                pending = missing
-                self._bulk_ready = False
-            raise NoScriptError("the server lost the reserve script twice in a row")
+                if missing:
+                    lost += 1
+                    if lost == 2:
+                        raise NoScriptError("the server lost the reserve script twice in a row")
+                    self._bulk_ready = False
+                if behind:
+                    late += 1
+                    if late == _WINDOW_TRIES:
+                        raise _clock_error(items[behind[0]][0])
+                    for index in behind:
+                        calls[index] = windowed(index, windows[index])  # type: ignore[index,arg-type]
+                pending = sorted(missing + behind)
         except (RedisError, RedisClusterException) as exc:
             raise self._unavailable(f"reserve {len(items)} keys", exc) from exc
 
@@ -613,7 +665,9 @@ def reserve_and_run(
     With ``fresh`` (a new call, not a retry or a republish of the owner's message, reusing an
     explicit id), the owner's own lock in any state is a duplicate of itself, as in
     :meth:`RedisStore.reserve`. With ``window`` (an approximate window's probe), the live
-    slices are checked in the same script, as in :meth:`RedisStore.reserve`.
+    slices are checked in the same script, on the server's clock, as in
+    :meth:`RedisStore.reserve` (a caller off by more than a slice calls once more, nothing
+    having run).
 
     Raises:
         StoreUnavailableError: the script could not run, or one of ``commands`` failed (then
@@ -627,22 +681,28 @@ def reserve_and_run(
             raise ValueError("reserve_and_run: peek and resent exclude each other")
         peek = _RESENT
     flags = ("1" if replace else "0") + ("1" if fresh else "0")
-    keys, extra = window_keys(key, window)
-    args: list[Any] = [len(keys), *keys, owner, ttl_ms, check, flags, peek,
-                       extra[0] if extra else ""]
+    tail: list[Any] = []
     for command in commands:
-        args.append(len(command))
-        args.extend(command)
-    try:
+        tail.append(len(command))
+        tail.extend(command)
+    for _ in range(_WINDOW_TRIES):
+        keys, extra = window_keys(key, window)
+        args: list[Any] = [len(keys), *keys, owner, ttl_ms, check, flags, peek,
+                           extra[0] if extra else "", *tail]
         try:
-            reply = client.execute_command(  # type: ignore[no-untyped-call]
-                "EVALSHA", _ENQUEUE_SHA, *args, **_RAW
-            )
-        except NoScriptError:
-            reply = client.execute_command(  # type: ignore[no-untyped-call]
-                "EVAL", SCRIPTS["enqueue"], *args, **_RAW
-            )
-    except RedisError as exc:
-        raise unavailable(client, f"reserve {key!r} and enqueue", exc) from exc
+            try:
+                reply = client.execute_command(  # type: ignore[no-untyped-call]
+                    "EVALSHA", _ENQUEUE_SHA, *args, **_RAW
+                )
+            except NoScriptError:
+                reply = client.execute_command(  # type: ignore[no-untyped-call]
+                    "EVAL", SCRIPTS["enqueue"], *args, **_RAW
+                )
+        except RedisError as exc:
+            raise unavailable(client, f"reserve {key!r} and enqueue", exc) from exc
+        if window is None or not _late(reply):
+            break
+    else:
+        raise _clock_error(key)
     peeked = reply[3] if len(reply) > 3 else None
     return _result(reply[:3]), peeked

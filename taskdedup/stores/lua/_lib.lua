@@ -26,21 +26,72 @@ local function parse(v)
   return state, check, owner
 end
 
--- seen(positions): whether an approximate window (SPEC §12) remembers the identity: every
--- bit of positions ("p1,p2,...", from the identity's digest) is set in one of the live slice
--- bitmaps KEYS[2..] (current first; a missing slice reads as zeros). false when no window.
-local function seen(positions)
-  if positions == nil or positions == '' or #KEYS < 2 then
-    return false
+-- Approximate windows (SPEC §12). The server's clock (TIME) decides which slices are live,
+-- which one is current and when a slice expires. A window argument is
+-- "first:slice_ms:ttl_ms:m:k:slices:p1,p2,...": KEYS[2..] are the slice bitmaps of indices
+-- first, first + 1, ... (a span around the caller's clock), of which the live ones are
+-- current - slices .. current on the server's clock; p1,p2,... the identity's bit positions.
+
+-- window(spec) -> w; or nil and the server's time (unix ms) when KEYS miss a live slice (the
+-- caller's clock is off by more than a slice: it calls again with keys around that time).
+-- w: live (the live slice keys, current first), index (current), now, slice_ms, ttl_ms, m,
+-- k, slices, bits (the identity's positions).
+local function window(spec)
+  local first, slice_ms, ttl_ms, m, k, slices, positions = string.match(spec,
+    '^(%-?%d+):(%d+):(%d+):(%d+):(%d+):(%d+):([%d,]+)$')
+  if not first then
+    error('taskdedup: malformed window argument')
+  end
+  first, slice_ms, slices = tonumber(first), tonumber(slice_ms), tonumber(slices)
+  if redis.replicate_commands then
+    redis.replicate_commands()  -- Redis < 7: TIME before writes needs effects replication
+  end
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local current = math.floor(now / slice_ms)
+  if current - slices < first or current > first + #KEYS - 2 then
+    return nil, now
+  end
+  local live = {}
+  for index = current, current - slices, -1 do
+    live[#live + 1] = KEYS[2 + index - first]
   end
   local bits = {}
   for p in string.gmatch(positions, '%d+') do
-    bits[#bits + 1] = p
+    bits[#bits + 1] = tonumber(p)
   end
-  for i = 2, #KEYS do
+  return {live = live, index = current, now = now, slice_ms = slice_ms,
+          ttl_ms = tonumber(ttl_ms), m = tonumber(m), k = tonumber(k), slices = slices,
+          bits = bits}
+end
+
+-- check_bits(w, check): the positions of the filter identity of this identity (the digest
+-- ending KEYS[1]) and the argument digest check: the first 32 hex digits of
+-- SHA-1("<digest>:<check>"), placed as Approximate.positions places a digest (enhanced
+-- double hashing of its digits 9-20 and 21-32).
+local function check_bits(w, check)
+  local hex = redis.sha1hex(string.sub(KEYS[1], -32) .. ':' .. check)
+  local function number(from)
+    return (tonumber(string.sub(hex, from, from + 5), 16) * 16777216
+            + tonumber(string.sub(hex, from + 6, from + 11), 16)) % w.m
+  end
+  local x, y = number(9), number(21)
+  local bits = {}
+  for i = 1, w.k do
+    bits[i] = x
+    x = (x + y) % w.m
+    y = (y + i) % w.m
+  end
+  return bits
+end
+
+-- held(w, bits): whether one live slice has every bit of bits set (a missing slice reads as
+-- zeros).
+local function held(w, bits)
+  for i = 1, #w.live do
     local hit = true
     for j = 1, #bits do
-      if redis.call('GETBIT', KEYS[i], bits[j]) == 0 then
+      if redis.call('GETBIT', w.live[i], bits[j]) == 0 then
         hit = false
         break
       end
@@ -52,12 +103,34 @@ local function seen(positions)
   return false
 end
 
+-- seen(spec, check) -> false, or the reply for an absent lock under an approximate window:
+-- {2, 'D', false} DUPLICATE when a live slice remembers the identity (done by an owner the
+-- filter does not know), {3, 'D', false} MISMATCH when check (an explicit key's argument
+-- digest) is not remembered with it (SPEC §3), or {0, now} when the caller's slice keys miss
+-- the server's clock (nothing written). false when there is no window (spec nil or '').
+local function seen(spec, check)
+  if spec == nil or spec == '' or #KEYS < 2 then
+    return false
+  end
+  local w, now = window(spec)
+  if not w then
+    return {0, now}
+  end
+  if not held(w, w.bits) then
+    return false
+  end
+  if check ~= nil and check ~= '' and not held(w, check_bits(w, check)) then
+    return {3, 'D', false}
+  end
+  return {2, 'D', false}
+end
+
 -- gate(key, owner, ttl_ms, check, replace, fresh[, value[, positions]])
 --   -> {code, state or false, owner or false}
 -- (value: the key's value when the caller has read it already; false when absent;
--- positions: the identity's bits under an approximate window, its live slices in KEYS[2..]:
--- an absent lock whose identity a live slice remembers is DUPLICATE {2, 'D', false}, done
--- by an owner the filter does not know)
+-- positions: the window argument under an approximate window, its slices in KEYS[2..]:
+-- an absent lock is answered by seen(positions, check): DUPLICATE {2, 'D', false}, MISMATCH
+-- {3, 'D', false}, or {0, server ms} for a caller whose clock is off by more than a slice)
 -- The enqueue gate shared by reserve.lua, replace.lua and enqueue.lua (their headers give the
 -- codes): absent, or another owner's F -> Q(owner); the owner's own Q/R -> Q, expiry never
 -- shortened (a retry or a republish of that message), unless the call is fresh (a new call
@@ -73,8 +146,9 @@ local function gate(key, owner, ttl_ms, check, replace, fresh, value, positions)
     value = false  -- another call's tombstone: the identity is free
   end
   if not value then
-    if seen(positions) then
-      return {2, 'D', false}
+    local known = seen(positions, check)
+    if known then
+      return known
     end
     redis.call('SET', key, 'Q|' .. check .. '|' .. owner, 'PX', ttl_ms)
     return {1, false, false}

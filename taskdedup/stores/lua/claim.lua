@@ -3,8 +3,9 @@
 -- KEYS[1]  the lock key of one task identity (the only key touched: Cluster-safe)
 -- ARGV[1]  owner     the worker's task id (compared as an exact string)
 -- ARGV[2]  lease_ms  lease of the running lock in milliseconds (> 0), renewed by heartbeat
--- ARGV[3]  approximate window only: the identity's bit positions; KEYS[2..] its live slices
---          (same hash tag as KEYS[1]: one slot)
+-- ARGV[3]  approximate window only: the window argument (seen in _lib.lua); KEYS[2..] its
+--          slice keys (same hash tag as KEYS[1]: one slot); a caller whose clock is off by
+--          more than a slice is answered {0, the server's time in ms}, nothing written
 --
 -- Value: "<state>|<check>|<owner>", state one of Q (queued), R (running), D (done).
 --
@@ -28,8 +29,9 @@ if state == 'F' and held_owner ~= owner then
   value = false  -- another call's tombstone: the identity is free
 end
 if not value then
-  if seen(ARGV[3]) then
-    return {2, 'D', false}
+  local known = seen(ARGV[3], '')
+  if known then
+    return known
   end
   redis.call('SET', key, 'R||' .. owner, 'PX', lease_ms)
   return {1, false, false}

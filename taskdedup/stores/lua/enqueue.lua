@@ -17,8 +17,9 @@
 --                   error): a queued lock of this very owner means the first script ran,
 --                   so the call is accepted and runs no command again (a retry published
 --                   by the worker finds its lock running, R, and pushes)
--- ARGV[6]  "" or, under an approximate window (SPEC §12), the identity's bit positions; its
---          live slice bitmaps are then KEYS[2..] (a remembered identity: 2 DUPLICATE, 'D')
+-- ARGV[6]  "" or, under an approximate window (SPEC §12), the window argument (seen in
+--          _lib.lua); its slice keys are then KEYS[2..] (a remembered identity: 2 DUPLICATE or
+--          3 MISMATCH, 'D'; {0, server ms} for keys off the server's clock: no command ran)
 -- ARGV[7…] the enqueue commands, each as its argument count then its arguments, run in order
 --          only when the gate lets the call through
 --

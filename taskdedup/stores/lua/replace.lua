@@ -6,8 +6,9 @@
 -- ARGV[3]  check   "" or the 32-hex digest of the arguments (explicit idempotency keys)
 -- ARGV[4]  "1" for a fresh call (not a retry or republish of the owner's message), else
 --          "0" or absent
--- ARGV[5]  approximate window only: the identity's bit positions; KEYS[2..] its live slices
---          (an absent lock remembered by a slice: 2 DUPLICATE, state 'D', owner false)
+-- ARGV[5]  approximate window only: the window argument (seen in _lib.lua); KEYS[2..] its
+--          slice keys (an absent lock remembered by a slice: 2 DUPLICATE or 3 MISMATCH as in
+--          reserve.lua, state 'D', owner false; {0, server ms} for keys off the server's clock)
 --
 -- Value: "<state>|<check>|<owner>", state one of Q (queued), R (running), D (done).
 --

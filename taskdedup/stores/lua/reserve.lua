@@ -6,8 +6,8 @@
 -- ARGV[3]  check   "" or the 32-hex digest of the arguments (explicit idempotency keys)
 -- ARGV[4]  "1" for a fresh call (not a retry or republish of the owner's message), else
 --          "0" or absent
--- ARGV[5]  approximate window only: the identity's bit positions; KEYS[2..] its live slices
---          (same hash tag as KEYS[1]: one slot)
+-- ARGV[5]  approximate window only: the window argument (seen in _lib.lua); KEYS[2..] its
+--          slice keys (same hash tag as KEYS[1]: one slot)
 --
 -- Value: "<state>|<check>|<owner>", state one of Q (queued), R (running), D (done).
 --
@@ -21,7 +21,9 @@
 --                owner false)
 --   3 MISMATCH   held by another owner with a different non-empty check
 -- Approximate window: an absent lock whose identity a live slice holds -> 2 DUPLICATE with
--- state 'D' and owner false (the filter keeps no id).
+-- state 'D' and owner false (the filter keeps no id), or 3 MISMATCH ('D', owner false) when
+-- check is non-empty and not remembered with it; {0, the server's time in ms} when the slice
+-- keys miss the server's clock by more than a slice (nothing written: call again).
 -- For 2 and 3 the state and owner found are returned.
 
 return gate(KEYS[1], ARGV[1], ARGV[2], ARGV[3], false, ARGV[4] == '1', nil, ARGV[5])
