@@ -14,7 +14,7 @@ import time
 from celery import Celery, signals
 from celery.exceptions import Ignore, Reject
 
-from taskdedup import Policy
+from taskdedup import Policy, running
 from taskdedup.celery import DedupTask, skipped_info
 from tests.effects import effect, r, wait_gate
 
@@ -213,6 +213,44 @@ def debounced(user_id: int, version: int) -> int:
 @app.task(base=DedupTask, dedup=Policy(ttl=60, on_store_error="allow"))
 def lenient(label: str) -> str:
     effect(label)
+    return label
+
+
+@app.task(base=DedupTask, dedup=Policy(mode="until_executed", ttl=60, lease=6))
+def slow_once(label: str, seconds: float = 1.0) -> str:
+    """A body that takes a while: copies of its message claim while it runs."""
+    effect(label, os.getpid())
+    time.sleep(seconds)
+    return label
+
+
+@app.task(base=DedupTask, dedup=Policy(ttl=60, lease=6))
+def slow_once_expiring(label: str, seconds: float = 1.0) -> str:
+    effect(label, os.getpid())
+    time.sleep(seconds)
+    return label
+
+
+@app.task(base=DedupTask, dedup=Policy(ttl=60))
+def report_identity(label: str) -> str:
+    """Records the identity this execution runs under (taskdedup.running)."""
+    current = running.current()
+    key = current.key if current is not None else "none"
+    effect(label, key)
+    return key
+
+
+@app.task(base=DedupTask, dedup=Policy(ttl=60))
+def nests(label: str) -> str:
+    """Runs other tasks inside its body: eagerly (.apply) and directly (in-process); records
+    its own identity before and after, and what each inner execution ran under."""
+    before = running.current()
+    plain.apply((f"{label}-plain",))
+    report_identity.apply((f"{label}-applied",))
+    report_identity(f"{label}-direct")
+    after = running.current()
+    effect(label, before.key if before is not None else "none")
+    effect(label, after.key if after is not None else "none")
     return label
 
 
