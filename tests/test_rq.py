@@ -27,6 +27,7 @@ from taskdedup import (
 from taskdedup.rq import DedupJob, DedupQueue, skipped_info
 from taskdedup.testing import free_port, wait_for
 from tests import rq_jobs
+from tests.effects import released
 from tests.workers import RqWorker
 
 QUEUE = f"rq-main-{os.getpid()}"
@@ -269,7 +270,7 @@ def test_heartbeat_keeps_the_lock_of_a_job_longer_than_its_lease(
     finally:
         rc.set(f"go:{name}", 1)
     assert ended(job) == "finished"
-    wait_for(lambda: not rc.exists(key), timeout=10, what="released after success")
+    wait_for(lambda: released(rc, key), timeout=10, what="released after success")
 
 
 @pytest.mark.slow
@@ -639,13 +640,16 @@ def test_a_synchronous_queue_guards_execution_and_releases_on_failure(
     name = label()
     first = sync.enqueue(rq_jobs.record, name)
     assert first is not None and first.get_status() == "finished"
-    assert not rc.exists(key_of(sync, rq_jobs.record, name))  # until_executed: released
+    # until_executed: released; a tombstone only this job id's own copies see (SPEC §5)
+    assert lock(rc, key_of(sync, rq_jobs.record, name)) == f"F||{first.id}"
+    again = sync.enqueue(rq_jobs.record, name)  # free to every other call
+    assert again is not None and again.id != first.id and again.get_status() == "finished"
     failing = sync.enqueue(rq_jobs.fail_first, name + "f")
     assert failing is not None and failing.get_status() == "failed"
     assert not rc.exists(key_of(sync, rq_jobs.fail_first, name + "f"))
     retried = sync.enqueue(rq_jobs.fail_first, name + "f")
     assert retried is not None and retried.get_status() == "finished"
-    assert effects(rc, name) == ["0"] and effects(rc, name + "f") == ["1", "2"]
+    assert effects(rc, name) == ["0", "0"] and effects(rc, name + "f") == ["1", "2"]
 
 
 def test_a_synchronous_queue_skips_a_duplicate_execution_as_finished(rc: redis.Redis) -> None:

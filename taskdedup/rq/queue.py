@@ -7,7 +7,7 @@ from __future__ import annotations
 import inspect
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime
 from typing import Any, Final
 
@@ -21,6 +21,7 @@ from rq.queue import Queue
 from rq.timeouts import BaseDeathPenalty, UnixSignalDeathPenalty
 from rq.utils import now
 
+from .. import running
 from ..core import (
     Deduplicator,
     GateResult,
@@ -32,13 +33,14 @@ from ..core import (
 from ..events import logger
 from ..exceptions import ConfigurationError, DuplicateTaskError, StoreUnavailableError
 from ..policy import OnDuplicate, Policy, PolicyLike, is_disabled
+from ..running import Running
 from ..stores.base import LockState, Store
 from ..stores.redis import RedisStore, may_have_run, reserve_and_run
-from . import _compat
+from . import _compat, many
 from .call import alive, decode_hash, delay_seconds, task_of
 from .config import get_deduplicator
 from .job import DedupJob
-from .meta import META_KEY, guard_of, meta_entry, skip_result
+from .meta import META_KEY, Guard, meta_entry, skip_result, trusted_guard
 
 __all__ = ["DedupQueue"]
 
@@ -46,11 +48,13 @@ _WORKFLOW_OPTIONS: Final = ("depends_on", "on_success", "on_failure", "on_stoppe
 _CREATE_JOB_PARAMS: Final = frozenset(inspect.signature(Queue.create_job).parameters) - {"self"}
 _ENQUEUE_CALL_SIGNATURE: Final = inspect.signature(Queue.enqueue_call)
 _NOT_FUSED: Final = _compat.FusedSupport("", "")  # locks elsewhere: no reason worth a log line
+_CLAIM_ATTR: Final = "_taskdedup_claim"
+"""A synchronous job's claim, from ``run_sync`` to ``run_job`` (RQ calls one from the other)."""
 
 
 class DedupQueue(Queue):
-    """An RQ queue whose ``enqueue``, ``enqueue_call``, ``enqueue_at`` and ``enqueue_in`` are
-    gated per :class:`taskdedup.Policy`.
+    """An RQ queue whose ``enqueue``, ``enqueue_call``, ``enqueue_at``, ``enqueue_in`` and
+    ``enqueue_many`` are gated per :class:`taskdedup.Policy`.
 
     Args:
         dedup: the queue's default policy (a Policy or a dict of its fields); ``None`` means
@@ -168,6 +172,23 @@ class DedupQueue(Queue):
         dedup, dedup_key = kwargs.pop("dedup", None), kwargs.pop("dedup_key", None)
         params = _compat.parse_enqueue_args(f, *args, **kwargs)
         return self._gated(params, dedup, dedup_key, datetime)
+
+    def enqueue_many(  # type: ignore[override]
+        self, job_datas: Iterable[Any], pipeline: Pipeline | None = None,
+        group_id: str | None = None,
+    ) -> list[Job | None]:
+        """``Queue.enqueue_many`` behind the gate: the calls' reservations in one round trip,
+        then RQ's own ``enqueue_many`` of the accepted ones (:mod:`.many`).
+
+        One answer per call, in call order: its job; for a duplicate, the original's job
+        (another call of the same batch included) or ``None`` (``on_duplicate="drop"``). All
+        or nothing: a refused call raises and nothing of the batch is enqueued. Calls made
+        with :meth:`prepare_data` may carry ``dedup=`` and ``dedup_key=``.
+        """
+        return many.enqueue_many(self, job_datas, pipeline, group_id, super().enqueue_many)
+
+    prepare_data = staticmethod(many.prepare_data)
+    """RQ's ``Queue.prepare_data``; also takes ``dedup=`` and ``dedup_key=`` per call."""
 
     def _gated(
         self, params: dict[str, Any], override: PolicyLike, dedup_key: Any, when: datetime | None
@@ -318,6 +339,17 @@ class DedupQueue(Queue):
         self, policy: Policy, name: str, key: str, existing_id: str | None,
         params: Mapping[str, Any], holder: Mapping[str, Any] | None = None,
     ) -> Job | None:
+        if self._answers_duplicate(policy, name, key, existing_id, params):
+            assert existing_id is not None
+            return self._original(existing_id, holder)
+        return None
+
+    def _answers_duplicate(
+        self, policy: Policy, name: str, key: str, existing_id: str | None,
+        params: Mapping[str, Any],
+    ) -> bool:
+        """``on_duplicate`` for a duplicate call (RQ's enqueue options in ``params``): True to
+        answer with the original's job, False to drop it; DuplicateTaskError to refuse."""
         carried = [option for option in _WORKFLOW_OPTIONS if params.get(option)]
         if existing_id is not None and not _compat.is_job_id(existing_id) and not carried:
             raise DuplicateTaskError(
@@ -328,11 +360,8 @@ class DedupQueue(Queue):
         # An explicit job_id re-enqueued while alive is a duplicate of itself: "replace" has
         # nothing to take the place of, so the job itself is returned.
         itself = existing_id == params.get("job_id")
-        if resolve_duplicate(name, policy, key, existing_id, carried, unit="job",
-                             replace_raises=not itself):
-            assert existing_id is not None
-            return self._original(existing_id, holder)
-        return None
+        return resolve_duplicate(name, policy, key, existing_id, carried, unit="job",
+                                 replace_raises=not itself)
 
     def _original(self, job_id: str, holder: Mapping[str, Any] | None = None) -> Job:
         """The original job by id, from its hash when the gate's answer carried it (else
@@ -403,15 +432,52 @@ class DedupQueue(Queue):
 
     # -- synchronous queues (is_async=False) -----------------------------------------------
 
-    def run_job(self, job: Job) -> Job:
-        """Run a job in this process (``is_async=False``) behind the execution guard."""
-        guard = guard_of(job)
+    def run_sync(self, job: Job) -> Job:
+        """Run a job in this process (``is_async=False``) behind the execution guard.
+
+        The claim comes first: a copy of this very job id while it runs (a nested or
+        concurrent run of the same id) or after its own success ends here without a new
+        outcome — no result, no callbacks — and the job is left as that run leaves it.
+        """
+        try:
+            guard = trusted_guard(job, self.dedup)
+        except TypeError as exc:  # arguments without identity: failed by run_job, not run
+            setattr(job, _CLAIM_ATTR, (None, exc))
+            return super().run_sync(job)
         if guard is None:
+            return super().run_sync(job)
+        claim: GateResult | StoreUnavailableError
+        try:
+            claim = self.dedup.start(guard.name, guard.policy, guard.key, job.id)
+        except StoreUnavailableError as exc:  # the job fails with it (run_job raises it)
+            claim = exc
+        if isinstance(claim, GateResult) and claim.verdict is Verdict.FINISHED:
+            job.set_status(JobStatus.FINISHED)  # as its own run left it
+            return job
+        if isinstance(claim, GateResult) and claim.verdict is Verdict.DEFERRED:
+            logger.info("taskdedup: %s[%s] is running now: this synchronous copy of it is "
+                        "not run (the running one gives the job its outcome)", guard.name,
+                        job.id)
+            return job
+        setattr(job, _CLAIM_ATTR, (guard, claim))
+        return super().run_sync(job)
+
+    def run_job(self, job: Job) -> Job:
+        """The body of a synchronous job (called by ``run_sync``) after its claim: skipped as
+        a duplicate, or run under its own identity (:mod:`taskdedup.running`; the enclosing
+        job's is restored after it) and its lock completed or released."""
+        pending: tuple[Guard | None, GateResult | Exception] | None = getattr(
+            job, _CLAIM_ATTR, None)
+        if pending is None:  # not guarded
             return super().run_job(job)
+        delattr(job, _CLAIM_ATTR)
+        guard, claim = pending
+        if isinstance(claim, Exception):
+            raise claim
+        assert guard is not None
         dedup = self.dedup
-        result = dedup.start(guard.name, guard.policy, guard.key, job.id)
-        if result.verdict is Verdict.DUPLICATE:
-            _compat.mark_finished(job, skip_result(job, result))
+        if claim.verdict is Verdict.DUPLICATE:
+            _compat.mark_finished(job, skip_result(job, claim))
             job.ended_at = now()
             result_ttl = job.get_result_ttl(default_ttl=DEFAULT_RESULT_TTL)
             with self.connection.pipeline() as pipe:
@@ -419,13 +485,17 @@ class DedupQueue(Queue):
                 job.cleanup(result_ttl, pipeline=pipe)
                 pipe.execute()
             return job
-        claimed = result.verdict is Verdict.ACCEPTED and guard.policy.mode.gates_execution
+        claimed = claim.verdict is Verdict.ACCEPTED and guard.policy.mode.gates_execution
+        token = running.enter(Running(guard.name, job.id, guard.key, guard.policy.ttl,
+                                      redelivery=None))
         try:
             job = super().run_job(job)
         except BaseException:
             if claimed:
                 dedup.release(guard.name, guard.key, job.id, reason="failed")
             raise
+        finally:
+            running.leave(token)
         if claimed:
             dedup.finish(guard.name, guard.policy, guard.key, job.id, success=True)
         return job
