@@ -8,11 +8,12 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
+from rq.job import Job
 from rq.utils import import_attribute, resolve_function_reference
 
 from . import _compat
 
-__all__ = ["alive", "decode_hash", "delay_seconds", "task_of"]
+__all__ = ["alive", "decode_hash", "delay_seconds", "job_task", "task_of"]
 
 
 @functools.lru_cache(maxsize=1024)
@@ -37,6 +38,17 @@ def task_of(func: Any) -> tuple[str, Callable[..., Any] | None]:
         cls = type(instance)
         return f"{cls.__module__}.{cls.__qualname__}.{func_name}", func
     return func_name, func
+
+
+def job_task(job: Job) -> tuple[str, Callable[..., Any] | None]:
+    """:func:`task_of` for a job as stored: the identity name of its function (the same name
+    the queue gave the call) and the callable its arguments bind to. Loads the job's data."""
+    instance, func_name = job.instance, job.func_name
+    if func_name is None:
+        raise TypeError(f"job {job.id} names no function")
+    if instance is not None:
+        return task_of(getattr(instance, func_name))
+    return task_of(func_name)
 
 
 def alive(status: str | None) -> bool:

@@ -9,7 +9,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import redis
-from rq.job import Job, Retry
+from rq.job import Job, JobStatus, Retry
 from rq.queue import Queue
 from rq.registry import StartedJobRegistry
 from rq.utils import now
@@ -18,14 +18,15 @@ from rq.worker import Worker
 from .. import running, stats
 from ..core import Deduplicator, GateResult, Identity, Verdict
 from ..events import logger
-from ..exceptions import ConfigurationError, StoreUnavailableError
+from ..exceptions import ConfigurationError, StoreUnavailableError, TaskDedupError
 from ..policy import Mode
 from ..running import Running
 from ..stores.base import Store
+from ..stores.redis import refused
 from . import _compat
 from .config import get_deduplicator
 from .logs import log_to_worker
-from .meta import Guard, guard_of, skip_result
+from .meta import Guard, skip_result, trusted_guard
 
 if TYPE_CHECKING:
     from rq.executions import Execution
@@ -44,10 +45,20 @@ class DedupWorker(Worker):
 
     In the work-horse, before the body: claim the lock. A duplicate is not run: the job
     FINISHES with ``skipped_info(job)`` set and a ``{"taskdedup": "skipped duplicate", ...}``
-    result, without ``on_success`` callbacks or webhooks. If the store is down and the job's
-    policy says ``on_store_error='raise'``, the job is put back (scheduled in
-    :attr:`store_retry_delay` seconds when a scheduler serves the queue, else re-queued at the
-    back after that delay) without running and without counting as a failure or a retry.
+    result, without ``on_success`` callbacks or webhooks. A copy of this very job id while it
+    runs elsewhere (its lock ``running`` by this id, lease live) is put back for later, a
+    quarter of the lease on (at least 1 s), neither run nor failed nor counted as a retry; a
+    copy after this id's own success ends without a new outcome (the job stays as its first
+    run left it). If the store is down and the job's policy says ``on_store_error='raise'``,
+    the job is put back (scheduled in :attr:`store_retry_delay` seconds when a scheduler
+    serves the queue, else re-queued at the back after that delay) without running and
+    without counting as a failure or a retry; a claim Redis refuses for what it is (NOPERM:
+    the ACL user lacks a command or the key pattern) fails the job with an error that points
+    at ``taskdedup doctor``.
+
+    The lock key in the job's meta is used only when it is one this worker's deduplicator
+    could have made for the job's function (:func:`~taskdedup.rq.meta.trusted_guard`); else
+    the identity is recomputed from the job's arguments, with a WARNING.
 
     RQ 3.x passes an ``Execution`` to the methods below and RQ 2.x does not; they take it
     optionally and hand it on only where RQ expects it.
@@ -70,6 +81,7 @@ class DedupWorker(Worker):
         self.dedup.check_store()  # here, not in every forked work-horse (one INFO per job)
         self._dedup_pid = os.getpid()
         self._dedup_claims: dict[str, Guard] = {}
+        self._dedup_unclaimed: set[str] = set()  # failed before a claim: no lock to touch
 
     def bootstrap(self, *args: Any, **kwargs: Any) -> None:
         """RQ's start-up (it sets up the worker's log handlers); then our records join that
@@ -148,22 +160,36 @@ class DedupWorker(Worker):
     # -- the guard -------------------------------------------------------------------------
 
     def _perform_guarded(self, job: Job, queue: Queue, execution: Execution | None) -> bool:
-        guard = guard_of(job)
         run = _compat.execution_args("perform_job", execution)
+        try:
+            guard = trusted_guard(job, self.dedup)
+        except TypeError as exc:  # its arguments have no identity: never run unguarded
+            return self._fail(job, queue, run, TaskDedupError(
+                f"taskdedup: job {job.id} carries no usable lock key and its arguments have "
+                f"no identity ({exc}); not run"))
         if guard is None:
             return bool(super().perform_job(job, queue, *run))
         try:
             result = self.dedup.start(guard.name, guard.policy, guard.key, job.id)
         except StoreUnavailableError as exc:
+            if refused(exc):  # the same answer every time: this job's error, not an outage
+                return self._fail(job, queue, run, _refusal(guard, job, exc))
             self._retry_later(job, queue, execution, guard, exc)
             return False
         if result.verdict is Verdict.DUPLICATE:
             self._skip(job, queue, execution, result)
             return True
+        if result.verdict is Verdict.DEFERRED:
+            self._defer(job, queue, execution, guard)
+            return True
+        if result.verdict is Verdict.FINISHED:
+            self._end_finished(job, queue, execution)
+            return True
         if result.verdict is Verdict.ACCEPTED and guard.policy.mode.gates_execution:
             self._dedup_claims[job.id] = guard
         # the body (and taskdedup.sql.effects in it) sees the identity the job carried
-        token = running.enter(Running(guard.name, job.id, guard.key, guard.policy.ttl))
+        token = running.enter(Running(guard.name, job.id, guard.key, guard.policy.ttl,
+                                      redelivery=None))  # RQ has no visibility timeout
         try:
             return bool(super().perform_job(job, queue, *run))
         finally:
@@ -194,7 +220,7 @@ class DedupWorker(Worker):
     ) -> None:
         """A job returned ``Retry``: keep the lock for the retry, or release it at the last."""
         self._dedup_claims.pop(job.id, None)
-        guard = guard_of(job)
+        guard = self._lock_of(job)
         if guard is not None:
             if job.number_of_retries and job.number_of_retries >= retry.max:
                 self.dedup.release(guard.name, guard.key, job.id, reason="failed")
@@ -216,7 +242,7 @@ class DedupWorker(Worker):
         timeout): the key comes from the job's meta, the release is fenced by the job id.
         """
         self._dedup_claims.pop(job.id, None)
-        guard = guard_of(job)
+        guard = self._lock_of(job)
         if guard is not None:
             stopped = _compat.stopped_job_id(self) == job.id
             if job.should_retry and not stopped:
@@ -230,6 +256,78 @@ class DedupWorker(Worker):
         )
 
     # -- helpers ---------------------------------------------------------------------------
+
+    def _lock_of(self, job: Job) -> Guard | None:
+        """The trusted guard of a job whose lock a failure or retry handler releases or
+        re-reserves; None without one, or when the job failed before any claim."""
+        if job.id in self._dedup_unclaimed:
+            self._dedup_unclaimed.discard(job.id)
+            return None
+        try:
+            return trusted_guard(job, self.dedup)
+        except TypeError:  # no identity: its claim was refused, nothing to release
+            return None
+
+    def _fail(
+        self, job: Job, queue: Queue, run: tuple[Any, ...], error: BaseException
+    ) -> bool:
+        """Fail ``job`` with ``error`` without running its body, by RQ's own failure path
+        (FAILED, its failure callback, its own ``Retry`` if it has one), no lock touched."""
+        def refuse(*_args: Any, **_kwargs: Any) -> Any:
+            raise error
+
+        job.perform = refuse  # type: ignore[method-assign]  # this job object only
+        self._dedup_unclaimed.add(job.id)
+        try:
+            return bool(super().perform_job(job, queue, *run))
+        finally:
+            self._dedup_unclaimed.discard(job.id)
+
+    def _put_back(
+        self, job: Job, queue: Queue, execution: Execution | None, delay: float, save: bool
+    ) -> bool:
+        """Give the job back to its queue ``delay`` seconds on: through RQ's scheduler when
+        one serves the queue, else re-queued at the back after waiting here. ``save``: write
+        the job as scheduled/queued (RQ's own schedule); without it only its id goes back,
+        so a copy never overwrites the hash of the run that owns it. True: scheduled."""
+        scheduler = queue.scheduler_pid is not None
+        if not scheduler:
+            time.sleep(delay)
+        with self.connection.pipeline() as pipe:
+            _compat.cleanup_execution(self, job, pipe, execution)
+            pipe.lrem(queue.intermediate_queue_key, 1, job.id)
+            when = now() + timedelta(seconds=delay)
+            if scheduler and save:
+                queue.schedule_job(job, when, pipeline=pipe)
+            elif scheduler:
+                queue.scheduled_job_registry.schedule(job, when, pipeline=pipe)
+            elif save:
+                _compat.requeue(queue, job, pipe)  # as RQ's own Retry re-queues
+            else:
+                queue.push_job_id(job.id, pipeline=pipe)
+            pipe.execute()
+        return scheduler
+
+    def _defer(self, job: Job, queue: Queue, execution: Execution | None, guard: Guard) -> None:
+        """Another copy of this very job id runs now: give this one back for later (a quarter
+        of the lease on, at least 1 s), leaving the running copy's job hash alone. Not run,
+        not failed, not a retry; once the running copy has ended it finishes (success) or
+        runs (its lock was released)."""
+        delay = max(1.0, guard.policy.lease / 4)
+        how = "rescheduled" if queue.scheduler_pid is not None else "re-queued"
+        logger.info("taskdedup: %s[%s] %s in %ss (another copy of it is running)",
+                    guard.name, job.id, how, delay)
+        self._put_back(job, queue, execution, delay, save=False)
+
+    def _end_finished(self, job: Job, queue: Queue, execution: Execution | None) -> None:
+        """This very job id already succeeded: end this copy without a new outcome (no
+        result, no callbacks, no webhooks, no dependents). The job is left as its first run
+        left it: FINISHED (put back if re-queueing the copy changed it), its result kept."""
+        with self.connection.pipeline() as pipe:
+            _compat.cleanup_execution(self, job, pipe, execution)
+            pipe.lrem(queue.intermediate_queue_key, 1, job.id)
+            job.set_status(JobStatus.FINISHED, pipeline=pipe)
+            pipe.execute()
 
     def _rereserve(self, guard: Guard, job: Job, interval: float) -> None:
         """Keep the lock owned by this job id, queued for ``ttl`` + ``interval``: the retry
@@ -269,18 +367,22 @@ class DedupWorker(Worker):
     ) -> None:
         """Put the job back without running it: never run unguarded, never dropped."""
         delay = self.store_retry_delay
-        scheduler = queue.scheduler_pid is not None
         logger.warning(
             "taskdedup: store unavailable before %s[%s]; %s in %ss (not run): %s",
-            guard.name, job.id, "rescheduled" if scheduler else "re-queued", delay, exc,
+            guard.name, job.id,
+            "rescheduled" if queue.scheduler_pid is not None else "re-queued", delay, exc,
         )
-        if not scheduler:
-            time.sleep(delay)
-        with self.connection.pipeline() as pipe:
-            _compat.cleanup_execution(self, job, pipe, execution)
-            pipe.lrem(queue.intermediate_queue_key, 1, job.id)
-            if scheduler:
-                queue.schedule_job(job, now() + timedelta(seconds=delay), pipeline=pipe)
-            else:
-                _compat.requeue(queue, job, pipe)  # as RQ's own Retry re-queues
-            pipe.execute()
+        self._put_back(job, queue, execution, delay, save=True)
+
+
+def _refusal(guard: Guard, job: Job, exc: StoreUnavailableError) -> ConfigurationError:
+    """The error a job fails with when Redis refuses its claim for what it is (NOPERM)."""
+    error = ConfigurationError(
+        f"taskdedup: Redis refused the claim of {guard.name}[{job.id}] on {guard.key} "
+        f"({exc.__cause__}); this is a configuration error, not an outage, so the job fails "
+        "instead of waiting for the store: run `taskdedup doctor` with the worker's "
+        "TASKDEDUP_URL (and TASKDEDUP_PREFIX) to see what the Redis user lacks (a command, "
+        "or the lock keys' pattern ~<prefix>:*)"
+    )
+    error.__cause__ = exc
+    return error
