@@ -84,3 +84,35 @@ def counted(label: str) -> str:
     """Run only by the stats hand-over test: its stats hash is its own."""
     effect(label)
     return label
+
+
+def identity_probe(label: str, sql_url: str, inner: bool = False) -> str:
+    """Records the running identity (``RPUSH ids:<label>`` ``[key, job id]`` or ``null``), runs
+    a nested job on a synchronous queue when ``inner`` (and records the identity again after
+    it), then records its own ``taskdedup.sql.effects`` row (``RPUSH fx:<label>``)."""
+    import json
+
+    import sqlalchemy as sa
+
+    from taskdedup import running
+    from taskdedup.rq import DedupQueue
+    from taskdedup.sql import effects
+
+    def note() -> None:
+        now = running.current()
+        r().rpush(f"ids:{label}", json.dumps([now.key, now.task_id, now.redelivery]
+                                             if now else None))
+
+    note()
+    if inner:
+        sync = DedupQueue(f"rq-sync-inner-{label}", connection=r(), is_async=False)
+        job = sync.enqueue(identity_probe, f"{label}-inner", sql_url)
+        assert job is not None and job.get_status() == "finished", job and job.exc_info
+        note()
+    engine = sa.create_engine(sql_url)
+    try:
+        with engine.begin() as conn, effects(conn) as fx:
+            r().rpush(f"fx:{label}", json.dumps([fx.key, fx.task_id, fx.first]))
+    finally:
+        engine.dispose()
+    return label
