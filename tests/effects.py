@@ -38,3 +38,10 @@ def wait_gate(label: str, timeout: float = 120.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"gate {label} never opened")
         time.sleep(0.01)
+
+
+def released(client: redis.Redis, key: str) -> bool:
+    """Whether lock ``key`` no longer holds its identity: absent, or the tombstone a success
+    leaves for the owner's own copies (``F|...``, free to every other call: SPEC §5)."""
+    value = client.get(key)
+    return value is None or value.startswith(b"F|")

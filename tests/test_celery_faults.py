@@ -13,6 +13,7 @@ import pytest
 import redis
 
 from taskdedup.testing import wait_for
+from tests.effects import released
 from tests.workers import CeleryWorker
 
 pytestmark = pytest.mark.slow
@@ -66,7 +67,7 @@ def test_sigkill_mid_task_lock_frees_within_lease_and_redelivery_runs(
         starts = [e for e in rc.lrange(f"effects:{name}", 0, -1) if e.startswith(b"start")]
         assert len(starts) == 2  # at-least-once: the killed body had started
         assert rc.lrange(f"effects:{name}", 0, -1)[-1] == b"end"
-        wait_for(lambda: not rc.exists(key), timeout=10, what="released after success")
+        wait_for(lambda: released(rc, key), timeout=10, what="released after success")
     finally:
         worker.stop()
 

@@ -12,6 +12,7 @@ import pytest
 import redis
 
 from taskdedup.testing import wait_for
+from tests.effects import released
 from tests.workers import CeleryWorker
 
 pytestmark = pytest.mark.slow
@@ -136,7 +137,7 @@ def test_explicit_task_id_reused_by_a_fresh_call_is_a_duplicate_of_itself(
     assert value(rc, key) == f"R||{task_id}", "the running lock was requeued by the second call"
     rc.set(f"go:{name}", 1)
     assert first.get(timeout=30) == name
-    wait_for(lambda: not rc.exists(key), timeout=10, what="released after success")
+    wait_for(lambda: released(rc, key), timeout=10, what="released after success")
     # A second message would run now (absent lock): a sentinel on the same worker goes last.
     sentinel = label()
     assert capp.record.apply_async((sentinel,), countdown=1).get(timeout=30) == f"{sentinel}:0"

@@ -486,7 +486,8 @@ def test_eager_until_executed_releases_after_success(eager_app: Celery) -> None:
     first, second = charge.delay(42), charge.delay(42)
     assert first.id != second.id
     assert runs == [42, 42]
-    assert store_of(eager_app).get(key_of(charge, 42)) is None
+    lock = store_of(eager_app).get(key_of(charge, 42))  # free: at most the second's tombstone
+    assert lock is None or (lock.state, lock.owner) == (LockState.FINISHED, second.id)
 
 
 def test_eager_failure_releases_the_lock(eager_app: Celery) -> None:
@@ -658,3 +659,23 @@ def test_taskdedup_prefix_changes_the_key_prefix(published: list[dict[str, Any]]
     key = published[0][HEADER]["key"]
     assert key.startswith(f"billing:{charge.name}:")
     assert store_of(app).get(key) is not None
+
+
+def test_a_countdown_beyond_the_visibility_timeout_warns_once_per_task(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """SPEC §5 / #19 A1: kombu restores a held ETA message every visibility_timeout; the
+    sender is told once (taskdedup runs one copy, but each costs a delivery)."""
+    app = make_app(eager=True, broker_url="redis://127.0.0.1:9/0",
+                   broker_transport_options={"visibility_timeout": 10})
+
+    @dtask(app)
+    def remind(user_id: int) -> None: ...
+
+    with caplog.at_level(logging.WARNING, logger="taskdedup"):
+        remind.apply_async((1,), countdown=5)  # within: nothing said
+        assert not [r for r in caplog.records if "visibility_timeout" in r.getMessage()]
+        remind.apply_async((2,), countdown=30)
+        remind.apply_async((3,), countdown=3600)
+    said = [r.getMessage() for r in caplog.records if "visibility_timeout" in r.getMessage()]
+    assert len(said) == 1 and remind.name in said[0] and "30s" in said[0], said

@@ -14,6 +14,7 @@ from celery import chain, chord, group
 
 from taskdedup import DuplicateTaskError, IdempotencyKeyMismatch, StoreUnavailableError
 from taskdedup.testing import free_port, wait_for
+from tests.effects import released
 from tests.workers import CeleryWorker
 
 pytestmark = pytest.mark.slow
@@ -149,7 +150,7 @@ def test_retry_runs_and_a_duplicate_during_the_countdown_is_suppressed(
     assert first.get(timeout=30) == name
     assert effects(rc, name) == ["1", "2"]
     # until_executed: released when finished (just after the result is stored)
-    wait_for(lambda: not rc.exists(key), timeout=10, what="released after success")
+    wait_for(lambda: released(rc, key), timeout=10, what="released after success")
 
 
 def test_while_executing_retry_releases_during_the_countdown_and_the_retry_runs(
@@ -340,7 +341,7 @@ def test_heartbeat_keeps_the_lock_of_a_task_longer_than_its_lease(
         time.sleep(0.1)
     rc.set(f"go:{name}", 1)
     assert res.get(timeout=30) == name
-    wait_for(lambda: not rc.exists(key), timeout=10, what="released after success")
+    wait_for(lambda: released(rc, key), timeout=10, what="released after success")
 
 
 def test_revoke_of_a_queued_task_releases_its_lock(capp: Any, rc: redis.Redis) -> None:

@@ -162,7 +162,7 @@ class DedupTask(Task):  # type: ignore[misc]
         fresh = carried is None and not (task_id and task_id == self.request.id)
         given = task_id
         task_id = task_id or str(uuid.uuid4())
-        ttl_ms = _reservation_ttl_ms(policy, options)
+        ttl_ms = _reservation_ttl_ms(policy, options, self)
         is_eager = self.app.conf.task_always_eager
         pending = BATCH.get()
         if (fuses(self.app) and not is_eager and self._dedup_duplicate_rate < _CHECK_FIRST_ABOVE
@@ -576,8 +576,11 @@ def _announces_publishes(app: Celery) -> bool:
     return sent
 
 
-def _reservation_ttl_ms(policy: Policy, options: Mapping[str, Any]) -> int:
-    """``ttl`` plus the countdown/ETA delay, capped by ``expires`` (ETA-aware TTL)."""
+def _reservation_ttl_ms(
+    policy: Policy, options: Mapping[str, Any], task: DedupTask | None = None
+) -> int:
+    """``ttl`` plus the countdown/ETA delay, capped by ``expires`` (ETA-aware TTL); a delay
+    beyond the broker's visibility timeout is reported once per task (``task``)."""
     countdown, eta, expires = options.get("countdown"), options.get("eta"), options.get("expires")
     if not (countdown or eta or expires):
         return policy.ttl_ms  # the common call: no clock arithmetic
@@ -589,6 +592,8 @@ def _reservation_ttl_ms(policy: Policy, options: Mapping[str, Any]) -> int:
         delay = (_aware(eta) - now).total_seconds()
     elif isinstance(eta, str):
         delay = (_aware(datetime.fromisoformat(eta)) - now).total_seconds()
+    if task is not None:
+        _warn_beyond_visibility(task, delay)
     ttl_ms = policy.ttl_ms + max(0, int(delay * 1000))
     expires_in: float | None = None
     if isinstance(expires, (int, float)):
@@ -600,6 +605,27 @@ def _reservation_ttl_ms(policy: Policy, options: Mapping[str, Any]) -> int:
     if expires_in is not None:  # expired messages are discarded by the worker
         ttl_ms = min(ttl_ms, max(0, int(expires_in * 1000)) + 1000)
     return max(1, ttl_ms)
+
+
+_WARNED_DELAYS: set[str] = set()
+
+
+def _warn_beyond_visibility(task: DedupTask, delay: float) -> None:
+    """Once per task and process: a countdown/ETA beyond the broker's visibility timeout
+    makes kombu restore a copy of the held message every visibility timeout until it is due
+    (SPEC §5). taskdedup runs one of them, but each copy still costs a delivery."""
+    timeout = visibility_timeout(task.app)
+    if timeout is None or delay <= timeout or task.name in _WARNED_DELAYS:
+        return
+    _WARNED_DELAYS.add(task.name)
+    logger.warning(
+        "taskdedup: %s was sent with a countdown/ETA of %.0fs, beyond the broker's "
+        "visibility_timeout of %.0fs: kombu will hand a copy of the message out again every "
+        "%.0fs until it is due. taskdedup runs only one of them (the others are put off and "
+        "end without running), but consider raising broker_transport_options"
+        "['visibility_timeout'] above your longest countdown", task.name, delay, timeout,
+        timeout,
+    )
 
 
 def _aware(value: datetime) -> datetime:
