@@ -3,9 +3,10 @@ the gated publish with an approximate window vs the exact tier, in one run.
 
 * **Memory**: one window of ``capacity`` identities (10,000,000 by default, ``error_rate``
   0.01, 4 slices, 16 partitions), every live slice (5) filled to its share — the moment just
-  before a rotation, when the window holds most. Each slice key is created by the
-  production script (``complete.lua`` through ``RedisStore.remember``: the bitmap written
-  whole at its size), then filled by a bulk Lua script that computes the same bit positions
+  before a rotation, when the window holds most. The current slice key of each partition is
+  created by the production script (``complete.lua`` through ``RedisStore.remember``, on
+  the server's clock: the bitmap written whole at its size) and copied (``COPY``) to the
+  older live indexes, then each is filled by a bulk Lua script that computes the same bit positions
   from SHA-1-made digests, as many per call as fit in a short script (no 10M task
   publishes). ``MEMORY USAGE`` of the slice keys / identities = bytes per identity.
 * **False positives**: fresh random identities (seeded) checked by the production
@@ -33,7 +34,6 @@ from celery import Celery
 from taskdedup import Approximate, Policy, RedisStore
 from taskdedup import approximate as approx
 from taskdedup.celery import DedupTask
-from taskdedup.stores import redis as redis_store
 
 from .harness import Row, interleaved, purge, rate
 from .micro import Context
@@ -96,34 +96,34 @@ def _digest_of_partition(rng: random.Random, window: Approximate, partition: int
             return digest
 
 
-def fill_window(ctx: Context, window: Approximate, now_ms: int) -> dict[str, Any]:
-    """Create every live slice key of ``NAME`` at ``now_ms`` with the production script and
-    fill each to its share; the slice keys and what it took."""
+def fill_window(ctx: Context, window: Approximate) -> dict[str, Any]:
+    """Create every live slice key of ``NAME`` on the server's clock (the current one with the
+    production script, the older ones copied from it) and fill each to its share; the slice
+    keys and what it took."""
     client = ctx.client
     store = RedisStore(client)
     rng = random.Random(1313)
-    slice_ms = int(TTL * 1000) // window.slices
-    index = now_ms // slice_ms
     live = window.slices + 1
-    keys: list[list[str]] = []
-    original = redis_store._now_ms
     started = time.perf_counter()
-    try:
-        for back in range(window.slices, -1, -1):  # oldest first, as time creates them
-            at = (index - back) * slice_ms + slice_ms // 2
-            redis_store._now_ms = lambda at=at: at  # type: ignore[misc]
-            row = []
-            for partition in range(window.partitions):
-                digest = _digest_of_partition(rng, window, partition)
-                key = approx.lock_key("taskdedup", None, NAME, digest, window)
-                probe = approx.probe(key, window, int(TTL * 1000))
-                assert probe is not None
-                store.claim(key, "fill", 60_000)
-                assert store.remember(key, "fill", probe).created
-                row.append(probe.keys(at)[0])
-            keys.append(row)
-    finally:
-        redis_store._now_ms = original  # type: ignore[misc]
+    current: list[str] = []
+    index = 0
+    for partition in range(window.partitions):
+        digest = _digest_of_partition(rng, window, partition)
+        key = approx.lock_key("taskdedup", None, NAME, digest, window)
+        probe = approx.probe(key, window, int(TTL * 1000))
+        assert probe is not None
+        store.claim(key, "fill", 60_000)
+        remembered = store.remember(key, "fill", probe)  # the server's current slice
+        assert remembered.created
+        index = remembered.slice_index
+        current.append(f"{probe.slice_prefix}{index}")
+    keys: list[list[str]] = []
+    for back in range(window.slices, 0, -1):  # the older live slices, oldest first
+        row = [f"{key.rpartition(':')[0]}:{index - back}" for key in current]
+        for source, target in zip(current, row, strict=True):
+            client.copy(source, target)
+        keys.append(row)
+    keys.append(current)
     # the Lua positions are Python's
     for _ in range(20):
         digest = f"{rng.getrandbits(128):032x}"
@@ -149,8 +149,7 @@ def memory_and_fpr(ctx: Context, capacity: int, checks: int) -> tuple[list[Row],
     client = ctx.client
     window = Approximate(capacity=capacity, error_rate=ERROR_RATE)
     purge(client, f"taskdedup:bloom:{NAME}:{{*", f"taskdedup:{NAME}:*")
-    now_ms = int(time.time() * 1000)
-    filled = fill_window(ctx, window, now_ms)
+    filled = fill_window(ctx, window)
     keys, identities = filled["keys"], filled["identities"]
     used = sum(int(client.memory_usage(key, samples=0) or 0) for key in keys)
     strlen = sum(int(client.strlen(key)) for key in keys)
@@ -171,9 +170,9 @@ def memory_and_fpr(ctx: Context, capacity: int, checks: int) -> tuple[list[Row],
                                   window)
             probe = approx.probe(key, window, ttl_ms)
             assert probe is not None
-            slices = probe.keys(int(time.time() * 1000))
+            first, slices = probe.span(int(time.time() * 1000))
             pipe.evalsha(script.sha, 1 + len(slices), key, *slices, "probe", 1000, "", "0",
-                         probe.positions)
+                         probe.argument(first))
         duplicates += sum(1 for reply in pipe.execute() if int(reply[0]) == 2)
     measured = duplicates / checks
     purge(client, f"taskdedup:{NAME}:*")

@@ -259,3 +259,24 @@ def test_the_mismatch_costs_no_argument_values_in_redis(redis_client: redis.Redi
         assert secret.encode() not in key
         if redis_client.type(key) == b"string":
             assert secret.encode() not in redis_client.get(key)  # type: ignore[operator]
+
+
+def test_the_pair_has_the_same_bits_in_lua_and_in_memory_store(
+    redis_client: redis.Redis,
+) -> None:
+    """``check_bits`` in ``_lib.lua`` and ``Probe.check_positions`` place the pair of an
+    identity and its argument check on the same bits (a MemoryStore test means Redis)."""
+    memory = Deduplicator(MemoryStore(clock=FakeClock(start=1_000_000.0)))
+    real = Deduplicator(RedisStore(redis_client))
+    for dedup in (memory, real):
+        for number in range(5):
+            succeed(dedup, POLICY, (number, "eur"), f"ORD-pair-{number}", f"t{number}")
+    window = POLICY.window
+    assert window is not None
+    on_memory = {key.rpartition(":")[0]: bits for key, (bits, _, _) in
+                 memory.store.slices().items()}  # type: ignore[attr-defined]
+    on_redis = {key.decode().rpartition(":")[0]: redis_client.get(key)[: window.bits // 8]  # type: ignore[index]
+                for key in redis_client.scan_iter(match="taskdedup:bloom:*")}
+    assert on_memory == on_redis and len(on_redis) >= 1
+    added = sum(bin(byte).count("1") for bits in on_redis.values() for byte in bits)
+    assert added > 5 * window.hashes  # the identities and their pairs

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from taskdedup import Deduplicator, DuplicateTaskError, RedisStore
+from taskdedup import Deduplicator, DuplicateTaskError, IdempotencyKeyMismatch, RedisStore
 from taskdedup.core import Verdict
 from taskdedup.rq import DedupQueue
 from taskdedup.testing import wait_for
@@ -60,6 +60,26 @@ def test_celery_fused_publish_with_an_approximate_window_through_a_real_worker(
     assert caught.value.existing_id is None
     assert rc.llen(celery_worker) == 0  # the duplicates pushed nothing
     assert effects(rc, label) == 1
+
+
+def test_celery_a_dedup_key_reused_with_other_arguments_after_success_raises(
+    celery_worker: str, rc: redis.Redis
+) -> None:
+    """SPEC §3 on the approximate tier: once the worker's success is in the filter, the same
+    idempotency key with other arguments raises IdempotencyKeyMismatch at the publish (not a
+    silent None); with the same arguments it is a duplicate."""
+    note = approximate_apps.note
+    label = f"keyed-{uuid.uuid4().hex[:8]}"
+    key = f"ORD-{uuid.uuid4().hex[:8]}"
+    assert note.apply_async((label,), dedup_key=key) is not None
+    wait_for(lambda: effects(rc, label) == 1, timeout=60, what="the body ran")
+    wait_for(lambda: note.apply_async((label,), dedup_key=key) is None, timeout=30,
+             what="the lock handed to the filter")
+    with pytest.raises(IdempotencyKeyMismatch) as caught:
+        note.apply_async((label + "-other",), dedup_key=key)
+    assert caught.value.existing_id is None
+    assert rc.llen(celery_worker) == 0  # nothing pushed
+    assert effects(rc, label + "-other") == 0
 
 
 def test_rq_enqueue_with_an_approximate_window_through_a_real_worker(

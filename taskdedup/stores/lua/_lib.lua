@@ -43,9 +43,8 @@ local function window(spec)
     error('taskdedup: malformed window argument')
   end
   first, slice_ms, slices = tonumber(first), tonumber(slice_ms), tonumber(slices)
-  if redis.replicate_commands then
-    redis.replicate_commands()  -- Redis < 7: TIME before writes needs effects replication
-  end
+  -- Writes after TIME need scripts replicated by their effects: the default since Redis 5
+  -- (the only mode since 7), so Redis 6.2 runs this as is.
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   local current = math.floor(now / slice_ms)
@@ -58,7 +57,7 @@ local function window(spec)
   end
   local bits = {}
   for p in string.gmatch(positions, '%d+') do
-    bits[#bits + 1] = tonumber(p)
+    bits[#bits + 1] = p
   end
   return {live = live, index = current, now = now, slice_ms = slice_ms,
           ttl_ms = tonumber(ttl_ms), m = tonumber(m), k = tonumber(k), slices = slices,
