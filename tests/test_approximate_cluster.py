@@ -119,3 +119,19 @@ def test_acl_each_window_command_is_needed_and_a_refused_completion_keeps_the_lo
                 store.remember(key, "t1", probe)
         lock = store.get(key)
         assert lock is not None and lock.owner == "t1" and lock.state.value == "R"
+
+
+@pytest.mark.parametrize("missing", WINDOW_COMMANDS)
+def test_doctor_names_each_window_command_a_user_lacks(
+    acl_server: RedisServer, missing: str
+) -> None:
+    """``taskdedup doctor`` probes exactly the commands the window's scripts run (TIME
+    included: the server's clock places every call in the slices)."""
+    from taskdedup.doctor import diagnose
+
+    commands = [*ACL_COMMANDS, *STATS_COMMANDS, "+ping", "+info", "+config|get",
+                *(c for c in WINDOW_COMMANDS if c != missing)]
+    with acl_store(acl_server, commands) as store:
+        findings = {finding.check: finding for finding in diagnose(store.client, "taskdedup")}
+    windows = findings["windows"]
+    assert f"may not run {missing[1:]}" in windows.detail and missing in windows.fix
