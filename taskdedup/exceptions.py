@@ -65,9 +65,13 @@ class IdempotencyKeyMismatch(TaskDedupError):
         super().__init__(key, existing_id)  # rebuilt as cls(*args), as above
 
     def __str__(self) -> str:
+        if self.existing_id is None:  # an approximate window remembers it: it keeps no id
+            held = "is remembered by its approximate window with other arguments"
+        else:
+            held = f"is held by task id {self.existing_id!r}, whose arguments differ"
         return (
-            f"idempotency key reused with different arguments: {self.key} is held by task id "
-            f"{self.existing_id!r}, whose arguments differ. Use a new dedup_key for a new request."
+            f"idempotency key reused with different arguments: {self.key} {held}. "
+            "Use a new dedup_key for a new request."
         )
 
 

@@ -574,7 +574,8 @@ class WindowStats:
     ``fill`` is the mean share of set bits over the live slice keys (``fill_max`` the
     fullest); ``false_positive_rate`` the estimated chance that a new identity is taken for
     a duplicate now (per partition ``1 - prod(1 - fill ** k)`` over its live slices, averaged
-    over partitions); ``identities`` the identities the live slices hold (their counters);
+    over partitions); ``identities`` the identities the live slices hold (their counters;
+    a success with an explicit ``dedup_key`` counts two: the key and its arguments' pair);
     ``slices_dropped`` the slice periods rotated out of the window since the oldest slice
     still counted (per partition, the most).
     """

@@ -218,6 +218,7 @@ def test_a_dedup_key_reused_with_other_arguments_after_success_raises_on_every_t
         dedup.gate(NAME, policy, dedup.identity(NAME, policy, (2, "eur"), dedup_key="ORD-1"),
                    "t2")
     assert caught.value.existing_id == (None if window else "t1")
+    assert ("approximate window" in str(caught.value)) is (window is not None)
     same = dedup.gate(NAME, policy, dedup.identity(NAME, policy, (1, "eur"),
                                                    dedup_key="ORD-1"), "t3")
     assert (same.verdict, same.state) == (Verdict.DUPLICATE, LockState.DONE)
