@@ -943,3 +943,25 @@ def test_heartbeat_that_finds_another_owner_reports_lease_lost_and_stops(
     assert redis_client.get(key) == b"R||task-other"
     rdedup.finish(TASK, p, control, B, success=True)
     assert len(rdedup.heartbeat()) == 0
+
+
+def test_a_lock_holding_a_value_taskdedup_did_not_write_is_reported_at_warning(
+    rdedup: Deduplicator, rstore: CountingRedisStore, redis_url: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """SPEC §8 / #19 B11: a foreign value (no TTL: forever) under a lock key blocked every
+    call and execution with a DEBUG line only. Now: a WARNING naming the key and what to do,
+    at enqueue and at claim, and counted (``foreign``)."""
+    rec = Recorder()
+    rdedup.events.add(rec)
+    client = redis.Redis.from_url(redis_url)
+    p = Policy()
+    identity = ident(rdedup, p, unique_key())
+    client.set(identity.key, "written by someone else")
+    with caplog.at_level(logging.WARNING, logger="taskdedup"):
+        assert rdedup.gate(TASK, p, identity, A).verdict is Verdict.DUPLICATE
+        assert rdedup.start(TASK, p, identity.key, A).verdict is Verdict.DUPLICATE
+    said = [r.getMessage() for r in caplog.records if identity.key in r.getMessage()]
+    assert len(said) == 2 and all("taskdedup clear --key" in m for m in said), said
+    assert [e.detail for e in rec.of(Event.FOREIGN)] == ["enqueue", "start"]
+    assert client.get(identity.key) == b"written by someone else"  # never touched
