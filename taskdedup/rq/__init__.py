@@ -21,14 +21,15 @@ duplicate finishes without running it), and RQ's own ``handle_job_success`` /
 lost horse releases its lock at once; a worker killed as a whole loses its heartbeat and the
 lock frees itself within ``lease``.
 
-Jobs without ``meta["taskdedup"]`` (enqueued by a plain ``Queue``, ``enqueue_many`` or
-``enqueue_job``) are not guarded: the worker never guesses a policy.
+Jobs without ``meta["taskdedup"]`` (enqueued by a plain ``Queue`` or ``enqueue_job``) are not
+guarded: the worker never guesses a policy. The key in the meta is used only when the worker's
+deduplicator could have made it for the job's function; otherwise the identity is recomputed.
 
 Modules: ``config`` (which Deduplicator), ``meta`` (what travels in ``job.meta``), ``call``
-(the identity of an RQ call), ``job``, ``queue``, ``worker``, ``logs`` (our records in ``rq
-worker``'s output), ``django`` (``DjangoDedupQueue`` for django-rq; imported only by those who
-name it), and ``_compat`` (what differs between RQ releases, and every private detail of RQ
-or redis-py this package relies on).
+(the identity of an RQ call), ``job``, ``queue``, ``many`` (``enqueue_many``), ``worker``,
+``logs`` (our records in ``rq worker``'s output), ``django`` (``DjangoDedupQueue`` for
+django-rq; imported only by those who name it), and ``_compat`` (what differs between RQ
+releases, and every private detail of RQ or redis-py this package relies on).
 """
 
 from __future__ import annotations
