@@ -34,11 +34,11 @@ end
 
 -- window(spec) -> w; or nil and the server's time (unix ms) when KEYS miss a live slice (the
 -- caller's clock is off by more than a slice: it calls again with keys around that time).
--- w: live (the live slice keys, current first), index (current), now, slice_ms, ttl_ms, m,
--- k, slices, bits (the identity's positions).
+-- w: spec, live (the live slice keys, current first), index (current), now, slice_ms,
+-- slices, bits (the identity's positions); sizes(w) reads ttl_ms, m and k when needed.
 local function window(spec)
-  local first, slice_ms, ttl_ms, m, k, slices, positions = string.match(spec,
-    '^(%-?%d+):(%d+):(%d+):(%d+):(%d+):(%d+):([%d,]+)$')
+  local first, slice_ms, slices, tail = string.match(spec,
+    '^(%-?%d+):(%d+):%d+:%d+:%d+:(%d+):()')
   if not first then
     error('taskdedup: malformed window argument')
   end
@@ -56,12 +56,17 @@ local function window(spec)
     live[#live + 1] = KEYS[2 + index - first]
   end
   local bits = {}
-  for p in string.gmatch(positions, '%d+') do
+  for p in string.gmatch(string.sub(spec, tail), '%d+') do
     bits[#bits + 1] = p
   end
-  return {live = live, index = current, now = now, slice_ms = slice_ms,
-          ttl_ms = tonumber(ttl_ms), m = tonumber(m), k = tonumber(k), slices = slices,
-          bits = bits}
+  return {spec = spec, live = live, index = current, now = now, slice_ms = slice_ms,
+          slices = slices, bits = bits}
+end
+
+-- sizes(w) -> ttl_ms, m, k of the window w.
+local function sizes(w)
+  local ttl_ms, m, k = string.match(w.spec, '^%-?%d+:%d+:(%d+):(%d+):(%d+):')
+  return tonumber(ttl_ms), tonumber(m), tonumber(k)
 end
 
 -- check_bits(w, check): the positions of the filter identity of this identity (the digest
@@ -69,17 +74,18 @@ end
 -- SHA-1("<digest>:<check>"), placed as Approximate.positions places a digest (enhanced
 -- double hashing of its digits 9-20 and 21-32).
 local function check_bits(w, check)
+  local _, m, k = sizes(w)
   local hex = redis.sha1hex(string.sub(KEYS[1], -32) .. ':' .. check)
   local function number(from)
     return (tonumber(string.sub(hex, from, from + 5), 16) * 16777216
-            + tonumber(string.sub(hex, from + 6, from + 11), 16)) % w.m
+            + tonumber(string.sub(hex, from + 6, from + 11), 16)) % m
   end
   local x, y = number(9), number(21)
   local bits = {}
-  for i = 1, w.k do
+  for i = 1, k do
     bits[i] = x
-    x = (x + y) % w.m
-    y = (y + i) % w.m
+    x = (x + y) % m
+    y = (y + i) % m
   end
   return bits
 end

@@ -6,7 +6,8 @@
 --                  then, exact locks only, ARGV[3] finished_ms > 0 leaves F(owner) for that
 --                  long (a tombstone only this owner's copies see: they end without running
 --                  again), else the lock is deleted
--- Approximate window (SPEC §12) only: KEYS[2..] the slice bitmaps of a span of indices
+-- Approximate window (SPEC §12) only: ARGV[2] is finished_ms (0: the lock is deleted);
+-- KEYS[2..] the slice bitmaps of a span of indices
 -- around the caller's clock (same hash tag as KEYS[1]: one slot); ARGV[3] the window argument
 -- (seen in _lib.lua). The lock is deleted and the identity added instead to the current slice
 -- on the server's clock (TIME), with, for a lock holding a check (an explicit key's argument
@@ -46,7 +47,8 @@ if #KEYS > 1 then
   if not w then
     return {0, now}
   end
-  local slice, m = w.live[1], w.m
+  local ttl_window, m, k = sizes(w)
+  local slice = w.live[1]
   local created = 0
   if redis.call('EXISTS', slice) == 0 then
     local origin = w.index
@@ -57,9 +59,9 @@ if #KEYS > 1 then
       end
     end
     redis.call('SET', slice, string.rep('\0', m / 8 + 14))
-    redis.call('BITFIELD', slice, 'SET', 'u8', m + 32, w.k, 'SET', 'u8', m + 40, w.slices,
+    redis.call('BITFIELD', slice, 'SET', 'u8', m + 32, k, 'SET', 'u8', m + 40, w.slices,
                'SET', 'i64', m + 48, origin)
-    redis.call('PEXPIREAT', slice, (w.index + 1) * w.slice_ms + w.ttl_ms)
+    redis.call('PEXPIREAT', slice, (w.index + 1) * w.slice_ms + ttl_window)
     created = 1
   end
   local function add(bits)
@@ -80,8 +82,13 @@ if #KEYS > 1 then
   end
   -- Last: a script that fails half-way keeps what it wrote, so an error above (OOM, a
   -- missing ACL permission) leaves the running lock (it lapses with its lease), never a
-  -- deleted lock whose identity the filter does not hold.
-  redis.call('DEL', key)
+  -- deleted lock whose identity the filter does not hold. ARGV[2] > 0 here: leave the F
+  -- tombstone for that long instead (the owner's own copies end without a new outcome).
+  if tonumber(ttl_ms) > 0 then
+    redis.call('SET', key, 'F|' .. held_check .. '|' .. owner, 'PX', ttl_ms)
+  else
+    redis.call('DEL', key)
+  end
   return {4, added, created, w.index}
 end
 if tonumber(ttl_ms) > 0 then
