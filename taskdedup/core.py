@@ -417,7 +417,7 @@ class Deduplicator:
         probe = window_probe(policy, key)
         try:
             if probe is not None:
-                outcome = self._remember(name, key, owner, probe)
+                outcome = self._remember(name, key, owner, probe, policy.lease_ms)
             elif policy.mode is Mode.UNTIL_EXPIRED:
                 outcome = self.store.complete(key, owner, policy.ttl_ms)
             else:  # the identity is free again; a tombstone tells this id's copies it ran
@@ -436,10 +436,13 @@ class Deduplicator:
                 name, owner, key, policy.lease,
             )
 
-    def _remember(self, name: str, key: str, owner: str, probe: Probe) -> Outcome:
+    def _remember(
+        self, name: str, key: str, owner: str, probe: Probe, finished_ms: int
+    ) -> Outcome:
         """Complete under an approximate window: the identity goes into the current slice
         (one round trip); a slice passing its capacity share is reported once (WARNING)."""
-        remembered = self.store.remember(key, owner, probe)  # type: ignore[attr-defined]
+        remembered = self.store.remember(  # type: ignore[attr-defined]
+            key, owner, probe, finished_ms=finished_ms)
         window = probe.window
         if remembered.added > window.share:
             mark = (name, remembered.slice_index)

@@ -169,12 +169,15 @@ def run(env: Env, policy: Policy, arg: Any, owner: str) -> str:
 
 def test_success_moves_the_identity_from_its_lock_into_the_filter(env: Env) -> None:
     key = run(env, POLICY, 1, "t1")
-    assert env.store.get(key) is None  # no done lock kept for ttl
+    tombstone = env.store.get(key)  # no done lock kept for ttl: a tombstone for one lease
+    assert tombstone is not None and (tombstone.state, tombstone.owner) == (
+        LockState.FINISHED, "t1") and tombstone.ttl_ms <= POLICY.lease_ms
     identity = env.dedup.identity(NAME, POLICY, (1,))
     again = env.dedup.gate(NAME, POLICY, identity, "t2")
     assert (again.verdict, again.existing_id, again.state) == (
         Verdict.DUPLICATE, None, LockState.DONE)
-    assert env.store.get(key) is None  # the duplicate wrote nothing
+    after = env.store.get(key)  # the duplicate wrote nothing
+    assert after is not None and (after.state, after.owner) == (LockState.FINISHED, "t1")
     other = env.dedup.identity(NAME, POLICY, (2,))
     assert env.dedup.gate(NAME, POLICY, other, "t3").verdict is Verdict.ACCEPTED
 
@@ -238,13 +241,22 @@ def test_a_lost_lease_frees_the_identity_and_the_former_owner_adds_nothing(
 
 
 def test_the_claim_skips_an_identity_the_filter_remembers(env: Env) -> None:
-    """A redelivery after success, or a message that bypassed the gate: the body does not
-    run again."""
+    """A redelivery after success (within a lease: the tombstone; later: the filter), or a
+    message that bypassed the gate: the body does not run again."""
     key = run(env, POLICY, "claim", "t1")
-    skipped = env.dedup.start(NAME, POLICY, key, "t1")
+    redelivered = env.dedup.start(NAME, POLICY, key, "t1")
+    assert (redelivered.verdict, redelivered.existing_id, redelivered.state) == (
+        Verdict.FINISHED, "t1", LockState.FINISHED)
+    skipped = env.dedup.start(NAME, POLICY, key, "t2")
     assert (skipped.verdict, skipped.existing_id, skipped.state) == (
         Verdict.DUPLICATE, None, LockState.DONE)
-    assert env.dedup.start(NAME, POLICY, key, "t2").verdict is Verdict.DUPLICATE
+    if isinstance(env.store, MemoryStore):  # the tombstone lapses after one lease
+        env.advance(POLICY.lease + 0.001)
+    else:
+        env.store.client.delete(key)
+    late = env.dedup.start(NAME, POLICY, key, "t1")
+    assert (late.verdict, late.existing_id, late.state) == (
+        Verdict.DUPLICATE, None, LockState.DONE)
     assert env.store.get(key) is None
 
 

@@ -294,9 +294,12 @@ class MemoryStore:
                 del self._data[key]
             return Outcome.OK
 
-    def remember(self, key: str, owner: str, window: Probe) -> Remembered:
+    def remember(
+        self, key: str, owner: str, window: Probe, *, finished_ms: int = 0
+    ) -> Remembered:
         """See :meth:`taskdedup.stores.RedisStore.remember` (``complete.lua``)."""
         check_owner(owner)
+        check_ms("finished_ms", finished_ms, allow_zero=True)
         with self._lock:
             now = self._clock()
             owned = self._owned(key, owner, now)
@@ -304,7 +307,11 @@ class MemoryStore:
                 return Remembered(Outcome.NOT_OWNER)
             if owned[0][0] is not LockState.RUNNING:
                 return Remembered(Outcome.OK)
-            del self._data[key]
+            if finished_ms > 0:
+                self._write(key, LockState.FINISHED, owned[0][1], owner,
+                            now + finished_ms / 1000)
+            else:
+                del self._data[key]
             now_ms = int(now * 1000)
             index = window.index(now_ms)
             keys = window.keys(now_ms)

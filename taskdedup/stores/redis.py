@@ -396,13 +396,16 @@ class RedisStore:
         check_ms("lease_ms", lease_ms)
         return _result(self._eval_window(self._claim, "claim", key, window, owner, lease_ms))
 
-    def remember(self, key: str, owner: str, window: Probe) -> Remembered:
-        """Success under an approximate window: the owner's RUNNING lock is deleted and the
-        identity added to the current slice on the server's clock (with the pair of the
-        identity and its argument check, for an explicit key), in one script
-        (``complete.lua``)."""
+    def remember(
+        self, key: str, owner: str, window: Probe, *, finished_ms: int = 0
+    ) -> Remembered:
+        """Success under an approximate window: the owner's RUNNING lock is deleted (or left
+        as the FINISHED tombstone for ``finished_ms``) and the identity added to the current
+        slice on the server's clock (with the pair of the identity and its argument check,
+        for an explicit key), in one script (``complete.lua``)."""
         check_owner(owner)
-        reply = self._eval_window(self._complete, "complete", key, window, owner, 0)
+        check_ms("finished_ms", finished_ms, allow_zero=True)
+        reply = self._eval_window(self._complete, "complete", key, window, owner, finished_ms)
         if isinstance(reply, list):
             return Remembered(_OUTCOMES[reply[0]], int(reply[1]), bool(reply[2]),
                               int(reply[3]))
