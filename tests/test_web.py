@@ -5,6 +5,7 @@ time series, mounting inside another app, and every way a clear is refused."""
 from __future__ import annotations
 
 import re
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,6 +29,7 @@ with warnings.catch_warnings():  # Starlette 1.x prefers httpx2; httpx works wit
     warnings.simplefilter("ignore")
     from starlette.testclient import TestClient
 
+BASE = "http://127.0.0.1"  # a loopback Host: the dashboard answers only to its own names
 TOKEN = "s3cret-token-for-tests"
 SECRET = "SECRET-ORDER-4242"  # an argument value that must never appear on a page
 POLICY = Policy(ttl=60)
@@ -58,7 +60,7 @@ def make_app(client: CountingRedis) -> Iterator[Callable[..., TestClient]]:
     def make(**options: Any) -> TestClient:
         app = create_app(client, **options)
         apps.append(app)
-        return TestClient(app)
+        return TestClient(app, base_url=BASE)
 
     yield make
     for app in apps:
@@ -227,9 +229,11 @@ def test_clearing_needs_the_token_and_the_current_owner(
     done = web.post("/clear", data={**form, "token": TOKEN})
     assert done.status_code == 200 and 'id="clear-result"' in done.text
     assert not redis_client.exists(key)
-    outside = web.post("/api/clear", json={"key": "other:key", "owner": "x"},
+    redis_client.set("other:key:" + "0" * 32, "Q||x")  # a lock-like value outside the prefix
+    outside = web.post("/api/clear", json={"key": "other:key:" + "0" * 32, "owner": "x"},
                        headers={TOKEN_HEADER: TOKEN})
-    assert outside.status_code == 409
+    assert outside.status_code == 400 and "not a lock key" in outside.json()["error"]
+    assert redis_client.exists("other:key:" + "0" * 32)
 
 
 def test_create_app_refuses_unsafe_settings(redis_client: redis.Redis) -> None:
@@ -248,7 +252,7 @@ def test_the_app_mounts_inside_another_asgi_app(
     dashboard = create_app(client)
     host = Starlette(routes=[Mount("/ops/taskdedup", app=dashboard)])
     try:
-        web = TestClient(host)
+        web = TestClient(host, base_url=BASE)
         home = web.get("/ops/taskdedup/")
         assert home.status_code == 200
         assert 'href="/ops/taskdedup/locks?task=app.charge"' in home.text
@@ -263,7 +267,7 @@ def test_the_app_mounts_inside_another_asgi_app(
 def test_an_unreachable_server_is_one_clear_line() -> None:
     app = create_app(f"redis://127.0.0.1:{free_port()}/0")
     try:
-        web = TestClient(app)
+        web = TestClient(app, base_url=BASE)
         page = web.get("/")
         assert page.status_code == 503
         assert "cannot reach Redis at" in page.text
@@ -296,10 +300,222 @@ def test_the_mount_example_of_the_dashboard_page_runs(
     namespace: dict[str, Any] = {}
     exec(compile(blocks[0], "mount.py", "exec"), namespace)
     try:
-        web = TestClient(namespace["app"])
+        web = TestClient(namespace["app"], base_url="http://ops.example.com")
         locks = web.get("/ops/taskdedup/locks")
         assert locks.status_code == 200 and key in locks.text
         assert web.post("/ops/taskdedup/clear", data={"key": key, "owner": "task-1"},
                         headers={TOKEN_HEADER: TOKEN}).status_code == 403
     finally:
         namespace["dashboard"].state.dashboard.history.stop()
+
+
+# -- untrusted input (SPEC §8: the dashboard, input is not trusted) ------------------------------
+
+
+def test_only_loopback_names_the_bound_address_and_allowed_hosts_are_answered(
+    client: CountingRedis,
+) -> None:
+    """DNS rebinding: a page whose name now resolves to 127.0.0.1 sends its own name as Host."""
+    plain = create_app(client)
+    allowed = create_app(client, allowed_hosts=["ops.example.com", "10.0.0.7"])
+    mounted = create_app(client, allowed_hosts=["ops.example.com"])
+    parent = Starlette(routes=[Mount("/ops/taskdedup", app=mounted)])
+    try:
+        web = TestClient(plain, base_url=BASE)
+        for host in ("127.0.0.1", "127.0.0.1:8077", "localhost", "LOCALHOST:8077", "[::1]",
+                     "[::1]:8077", "localhost."):
+            answer = web.get("/api/locks", headers={"Host": host})
+            assert answer.status_code == 200, host
+        for host in ("evil.example", "evil.example:8077", "127.0.0.1.evil.example", "",
+                     "ops.example.com", "[::2]", "localhost.evil"):
+            refused = web.get("/api/locks", headers={"Host": host})
+            assert refused.status_code == 400, host
+            assert "allowed-host" in refused.text
+            assert web.get("/", headers={"Host": host}).status_code == 400
+        other = TestClient(allowed, base_url="http://ops.example.com")
+        assert other.get("/").status_code == 200
+        assert other.get("/", headers={"Host": "10.0.0.7:8077"}).status_code == 200
+        assert other.get("/", headers={"Host": "localhost"}).status_code == 200
+        assert other.get("/", headers={"Host": "evil.example"}).status_code == 400
+        inside = TestClient(parent, base_url="http://ops.example.com")
+        assert inside.get("/ops/taskdedup/api/locks").status_code == 200
+        assert inside.get("/ops/taskdedup/api/locks",
+                          headers={"Host": "evil.example"}).status_code == 400
+        anyone = TestClient(create_app(client, allowed_hosts=["*"]), base_url="http://x.test")
+        assert anyone.get("/api/locks").status_code == 200
+    finally:
+        for app in (plain, allowed, mounted):
+            app.state.dashboard.history.stop()
+
+
+def test_the_web_command_answers_its_bound_address_and_allowed_hosts(
+    monkeypatch: pytest.MonkeyPatch, redis_url: str,
+) -> None:
+    import uvicorn
+
+    served: dict[str, Any] = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **options: served.update(app=app))
+    result = CliRunner().invoke(main, ["--url", redis_url, "web", "--host", "10.1.2.3",
+                                       "--allowed-host", "ops.example.com",
+                                       "--allowed-host", "dash.example.com"])
+    assert result.exit_code == 0, result.output
+    app = served["app"]
+    try:
+        web = TestClient(app, base_url=BASE)
+        for host in ("10.1.2.3:8077", "ops.example.com", "dash.example.com", "127.0.0.1"):
+            assert web.get("/api/locks", headers={"Host": host}).status_code == 200, host
+        assert web.get("/api/locks", headers={"Host": "evil.example"}).status_code == 400
+    finally:
+        app.state.dashboard.history.stop()
+
+
+def test_a_clear_body_over_the_limit_is_refused_before_it_is_read(
+    client: CountingRedis, dedup: Deduplicator, redis_client: redis.Redis,
+) -> None:
+    from taskdedup.web.app import MAX_BODY
+
+    key = take(dedup, "app.charge", 1, "task-1")
+    writable = create_app(client, allow_clear=True, token=TOKEN)
+    read_only = create_app(client)
+    parent = Starlette(routes=[Mount("/ops", app=create_app(client, allow_clear=True,
+                                                            token=TOKEN))])
+    big = b"key=" + b"x" * MAX_BODY
+    try:
+        for web, prefix in ((TestClient(writable, base_url=BASE), ""),
+                            (TestClient(read_only, base_url=BASE), ""),
+                            (TestClient(parent, base_url=BASE), "/ops")):
+            for path in ("/clear", "/api/clear"):
+                answer = web.post(prefix + path, content=big, headers={
+                    TOKEN_HEADER: TOKEN, "Content-Type": "application/x-www-form-urlencoded"})
+                assert answer.status_code == 413, (prefix, path, answer.text)
+        ok = TestClient(writable, base_url=BASE).post(
+            "/api/clear", json={"key": key, "owner": "task-1"}, headers={TOKEN_HEADER: TOKEN})
+        assert ok.status_code == 200  # a body within the limit still clears
+    finally:
+        for app in (writable, read_only):
+            app.state.dashboard.history.stop()
+
+
+def test_a_chunked_body_is_cut_off_at_the_limit_by_a_real_uvicorn(
+    client: CountingRedis, redis_url: str,
+) -> None:
+    """No Content-Length: the body streams in chunks. The dashboard stops reading past its
+    limit and answers 413 while the client is still sending (memory stays bounded)."""
+    import select
+    import socket
+    import threading
+
+    import uvicorn
+
+    from taskdedup.web.app import MAX_BODY
+
+    received = [0]
+
+    def counting(app: Any) -> Any:
+        async def wrapper(scope: Any, receive: Any, send: Any) -> None:
+            async def counted() -> Any:
+                message = await receive()
+                received[0] += len(message.get("body", b""))
+                return message
+
+            await app(scope, counted, send)
+
+        return wrapper
+
+    for allow_clear in (True, False):
+        received[0] = 0
+        dashboard = create_app(client, allow_clear=allow_clear,
+                               token=TOKEN if allow_clear else None)
+        port = free_port()
+        server = uvicorn.Server(uvicorn.Config(counting(dashboard), host="127.0.0.1", port=port,
+                                               log_level="warning", lifespan="off"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        try:
+            wait_for(lambda server=server: server.started, timeout=20, what="uvicorn to start")
+            sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+            sock.sendall(b"POST /api/clear HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                         b"Content-Type: application/x-www-form-urlencoded\r\n"
+                         b"Transfer-Encoding: chunked\r\n" + TOKEN_HEADER.encode()
+                         + b": " + TOKEN.encode() + b"\r\n\r\n")
+            chunk = b"%x\r\n%s\r\n" % (8192, b"x" * 8192)
+            total, sent, reply, pending = 8 * 1024 * 1024, 0, b"", b""
+            sock.setblocking(False)
+            deadline = time.monotonic() + 30
+            while b"\r\n\r\n" not in reply and time.monotonic() < deadline:
+                readable, writable, _ = select.select([sock], [sock] if sent < total else [],
+                                                      [], 1.0)
+                if readable:
+                    try:
+                        more = sock.recv(65536)
+                    except ConnectionError:
+                        break
+                    if not more:
+                        break
+                    reply += more
+                elif writable:
+                    pending = pending or chunk
+                    try:
+                        done = sock.send(pending)
+                    except BlockingIOError:
+                        continue
+                    except ConnectionError:
+                        break
+                    pending = pending[done:]
+                    sent += done
+            sock.close()
+            assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
+            assert sent < total  # answered while the client was still sending
+            assert received[0] <= MAX_BODY + 256 * 1024, received[0]  # read about the limit
+        finally:
+            server.should_exit = True
+            thread.join(timeout=20)
+            dashboard.state.dashboard.history.stop()
+
+
+def test_odd_keys_and_stats_fields_break_no_page(
+    make_app: Callable[..., TestClient], dedup: Deduplicator, redis_client: redis.Redis,
+) -> None:
+    key = take(dedup, "app.charge", 1, "task-1")
+    odd = b"taskdedup:app.\xff\xfe:" + b"2" * 32
+    redis_client.set(odd, "Q||id-odd")
+    redis_client.set("taskdedup:app.\x1b[31m<b>x</b>:" + "3" * 32, "R||own\x1b]0;t\x07")
+    redis_client.hset(stats_key("taskdedup", "app.charge"), mapping={"reserved": 3,
+                                                                     "duplicate": "lots"})
+    redis_client.hset(b"taskdedup:stats:app.\xff", "reserved", 2)
+    web = make_app(sample_every=3600)
+    history = web.app.state.dashboard.history  # type: ignore[attr-defined]
+    for path in ("/", "/locks", "/api/locks", "/api/stats", "/api/series", "/chart.svg"):
+        answer = web.get(path)
+        assert answer.status_code == 200, (path, answer.text[-500:])
+        assert "\x1b" not in answer.text, path
+        if not path.startswith("/api/"):
+            assert "<b>x</b>" not in answer.text, path
+    home = web.get("/").text
+    assert key in home and "app.\\xff\\xfe" in home and "app.\\x1b[31m" in home
+    stats = web.get("/api/stats").json()
+    assert stats["app.charge"]["accepted"] == 3
+    assert stats["app.charge"]["ignored_fields"] == ["duplicate"]
+    assert stats["app.\\xff"]["accepted"] == 2
+    assert history.sample() is not None and history.last_error is None  # sampling goes on
+    rows = web.get("/api/locks").json()["locks"]
+    assert {row["key"] for row in rows} >= {key, "taskdedup:app.\\xff\\xfe:" + "2" * 32}
+    escaped = web.get("/locks").text
+    link = escaped[escaped.index("app.\\xff\\xfe") - 200:escaped.index("app.\\xff\\xfe")]
+    href = re.findall(r'href="([^"]+)"', link)[-1]
+    assert web.get(href.replace("&amp;", "&")).status_code == 200  # its detail page opens
+
+
+def test_a_task_filter_is_exact_and_the_clear_is_refused_outside_the_prefix(
+    make_app: Callable[..., TestClient], redis_client: redis.Redis,
+) -> None:
+    digest = "1" * 32
+    for name in ("charge", "billing:charge", "charge:v2"):
+        redis_client.set(f"taskdedup:{name}:{digest}", "Q||x")
+    web = make_app()
+    keys = [row["key"] for row in web.get("/api/locks", params={"task": "charge"}).json()["locks"]]
+    assert keys == [f"taskdedup:charge:{digest}"]
+    scoped = web.get("/api/locks", params={"task": "charge", "scope": "billing"}).json()
+    assert [row["key"] for row in scoped["locks"]] == [f"taskdedup:billing:charge:{digest}"]
+    home = web.get("/").text
+    assert 'href="/locks?task=charge&amp;scope=billing"' in home

@@ -6,6 +6,11 @@ inline SVG chart), lost leases and store errors; and the same as JSON under ``/a
 Locks are found with SCAN and a cursor, never KEYS. Keys hold digests, never argument
 values, and nothing here shows more than the key, the state and the owner's task id.
 
+It answers only to loopback names (``localhost``, ``127.0.0.1``, ``[::1]``) and the hosts
+it is given (``allowed_hosts``, ``taskdedup web --allowed-host``): any other ``Host`` gets
+400, so a DNS-rebinding page cannot read it. A clear request's body is refused (413) past
+16 KB, before it is read further.
+
 Read-only by default: ``POST /clear`` (and ``/api/clear``) answer 403 unless the app was
 made with ``allow_clear=True`` and the request carries the token (header
 ``X-Taskdedup-Token`` or form field ``token``). Clearing is fenced: it deletes a lock only
@@ -16,7 +21,8 @@ Mount it in an existing ASGI app::
     from starlette.routing import Mount
     from taskdedup.web import create_app
 
-    app.mount("/taskdedup", create_app("redis://localhost:6379/0"))   # FastAPI / Starlette
+    app.mount("/taskdedup", create_app("redis://localhost:6379/0",
+                                       allowed_hosts=["ops.example.com"]))  # FastAPI / Starlette
 
 Needs Starlette (``pip install 'taskdedup[web]'``, which also brings uvicorn for the
 ``taskdedup web`` command); importing this package does not import it.
@@ -24,6 +30,7 @@ Needs Starlette (``pip install 'taskdedup[web]'``, which also brings uvicorn for
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Final
 
 import redis
@@ -61,6 +68,7 @@ def create_app(
     keep: int = 360,
     page_size: int = 200,
     scan_cap: int = 10_000,
+    allowed_hosts: Sequence[str] = (),
 ) -> Starlette:
     """The dashboard as a Starlette (ASGI) application.
 
@@ -74,9 +82,14 @@ def create_app(
         keep: how many samples are kept (bounded memory): ``keep * sample_every`` seconds.
         page_size: about how many locks a page of ``/locks`` shows.
         scan_cap: the overview counts over at most about this many keys.
+        allowed_hosts: the names (or addresses) it answers to besides the loopback ones,
+            e.g. ``["ops.example.com"]`` when mounted in an app served under that name;
+            ``["*"]`` answers any ``Host`` (only behind a proxy that checks it). Any other
+            ``Host`` gets 400 (DNS rebinding).
 
     Raises:
-        ConfigurationError: ``allow_clear`` without a token, a short token, a bad URL.
+        ConfigurationError: ``allow_clear`` without a token, a short token, a bad URL, an
+            allowed host that is not a non-empty string.
         ImportError: Starlette is not installed (the message says what to install).
     """
     require_web()
@@ -91,6 +104,12 @@ def create_app(
                                  "print(secrets.token_urlsafe())')")
     if not prefix or ":" in prefix:
         raise ConfigurationError("prefix must be a non-empty string without ':'")
+    if isinstance(allowed_hosts, str) or not all(
+        isinstance(host, str) and host.strip() for host in allowed_hosts
+    ):
+        raise ConfigurationError(
+            f"allowed_hosts must be a list of host names, got {allowed_hosts!r}"
+        )
     if isinstance(client_or_url, str):
         from ..stores.redis import RedisStore
 
@@ -102,4 +121,5 @@ def create_app(
     return build_app(
         client, prefix=prefix, allow_clear=allow_clear, token=token if allow_clear else None,
         sample_every=sample_every, keep=keep, page_size=page_size, scan_cap=scan_cap,
+        allowed_hosts=list(allowed_hosts),
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hmac
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Final
@@ -14,21 +14,24 @@ from urllib.parse import parse_qs
 import redis
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from ..locks import redis_error_text, ttl_text
+from ..locks import lock_key_error, redis_error_text, shown, ttl_text
 from ..stats import read_stats
 from ..stores.redis import describe_client
 from . import render
 from .data import FirstSeen, StatsHistory, clear_lock, lock_page, overview, read_lock
+from .hosts import HostGuard
 from .render import esc, link
 
-__all__ = ["TOKEN_HEADER", "build_app"]
+__all__ = ["MAX_BODY", "TOKEN_HEADER", "build_app"]
 
 TOKEN_HEADER: Final = "X-Taskdedup-Token"
-_MAX_FORM: Final = 16_384
+MAX_BODY: Final = 16_384
+"""Bytes a clear request's body may hold: refused (413) past it, before it is read further."""
 _HEADERS: Final = {
     "Content-Security-Policy": ("default-src 'none'; style-src 'unsafe-inline'; "
                                 "form-action 'self'; frame-ancestors 'self'"),
@@ -67,7 +70,28 @@ def _html(request: Request, title: str, body: str, status: int = 200,
 
 
 def _json(data: Any, status: int = 200) -> JSONResponse:
-    return JSONResponse(data, status_code=status, headers=_HEADERS)
+    return JSONResponse(_encodable(data), status_code=status, headers=_HEADERS)
+
+
+def _encodable(data: Any) -> Any:
+    """``data`` with the undecodable bytes of a key or value (lone surrogates from
+    ``surrogateescape``) written ``\\xff``: JSON text is UTF-8 and cannot hold them."""
+    if isinstance(data, str):
+        return shown(data) if any("\ud800" <= c <= "\udfff" for c in data) else data
+    if isinstance(data, dict):
+        return {_encodable(k): _encodable(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_encodable(item) for item in data]
+    return data
+
+
+def _query(request: Request, name: str) -> str:
+    """A query parameter with undecodable bytes kept (``surrogateescape``), so a link to a
+    key that is not UTF-8 finds that key again (Starlette's own parsing replaces them)."""
+    raw = request.scope.get("query_string", b"").decode("latin-1")
+    values = parse_qs(raw, keep_blank_values=True, encoding="utf-8", errors="surrogateescape")
+    found: list[str] = values.get(name, [""])
+    return found[0]
 
 
 def _dash(request: Request) -> _Dashboard:
@@ -124,8 +148,9 @@ def home(request: Request) -> Response:
     return _html(request, "overview", body, refresh=30)
 
 
-def _page_args(request: Request) -> tuple[str | None, str | None, int]:
-    task = request.query_params.get("task") or None
+def _page_args(request: Request) -> tuple[str | None, str | None, str | None, int]:
+    task = _query(request, "task") or None
+    scope = (_query(request, "scope") or None) if task is not None else None
     state = request.query_params.get("state") or None
     if state is not None and state not in ("queued", "running", "done"):
         state = None
@@ -133,17 +158,19 @@ def _page_args(request: Request) -> tuple[str | None, str | None, int]:
         cursor = max(0, int(request.query_params.get("cursor", "0")))
     except ValueError:
         cursor = 0
-    return task, state, cursor
+    return task, scope, state, cursor
 
 
 def locks(request: Request) -> Response:
     dash = _dash(request)
     root = _root(request)
-    task, state, cursor = _page_args(request)
+    task, scope, state, cursor = _page_args(request)
     found = lock_page(dash.client, dash.prefix, task=task, state=state, cursor=cursor,
-                      limit=dash.page_size, seen=dash.seen)
-    what = " ".join(filter(None, [f"task {task}" if task else "", state or ""])) or "all"
-    more = (link(root, "/locks", "next page →", task=task, state=state, cursor=found.cursor)
+                      limit=dash.page_size, seen=dash.seen, scope=scope)
+    what = " ".join(filter(None, [f"task {task}" if task else "",
+                                  f"in scope {scope}" if scope else "", state or ""])) or "all"
+    more = (link(root, "/locks", "next page →", task=task, scope=scope, state=state,
+                 cursor=found.cursor)
             if found.cursor else '<span class="muted">end of the scan</span>')
     body = (
         f"<h2>Locks: {esc(what)} ({len(found.locks)} on this page)</h2>"
@@ -157,7 +184,7 @@ def locks(request: Request) -> Response:
 
 def lock_detail(request: Request) -> Response:
     dash = _dash(request)
-    key = request.query_params.get("key", "")
+    key = _query(request, "key")
     lock = read_lock(dash.client, dash.prefix, key) if key else None
     if lock is None:
         body = (f"<p>No lock at <code>{esc(key)}</code>: never taken, released, expired, or "
@@ -174,7 +201,12 @@ def lock_detail(request: Request) -> Response:
         ["idempotency check", "set (explicit dedup_key)" if lock.check else "not set"],
         ["seen by this dashboard for", esc(render.age_text(time.time() - first))],
     ]
-    if dash.allow_clear:
+    if dash.allow_clear and (shown(lock.key) != lock.key or shown(lock.owner) != lock.owner):
+        # the page shows them escaped, so a form would post back text that is not the key
+        clear = ('<p class="muted" id="no-clear">This key or owner holds control characters '
+                 "or bytes that are not UTF-8, shown escaped: clear it with "
+                 "<code>taskdedup clear</code> or redis-cli.</p>")
+    elif dash.allow_clear:
         clear = (
             f'<form method="post" action="{esc(_root(request) + "/clear")}" id="clear-form">'
             f'<input type="hidden" name="key" value="{esc(lock.key)}">'
@@ -196,10 +228,28 @@ def lock_detail(request: Request) -> Response:
 # -- clearing ----------------------------------------------------------------------------------
 
 
+class _TooLarge(Exception):
+    """A request body over :data:`MAX_BODY`."""
+
+
+async def _body(request: Request) -> bytes:
+    """The body, read no further than :data:`MAX_BODY`: a larger Content-Length is refused
+    before reading, a chunked body is cut off at the limit (memory stays bounded)."""
+    length = request.headers.get("content-length")
+    if length is not None and (not length.strip().isdigit() or int(length) > MAX_BODY):
+        raise _TooLarge
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY:
+            raise _TooLarge
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 async def _form(request: Request) -> dict[str, str]:
-    body = await request.body()
-    if len(body) > _MAX_FORM:
-        return {}
+    body = await _body(request)
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if kind == "application/json":
         try:
@@ -222,12 +272,19 @@ def _refusal(dash: _Dashboard, request: Request, form: dict[str, str]) -> tuple[
                      "token form field)")
     if not form.get("key") or not form.get("owner"):
         return 400, "pass the lock's key and its owner (the task id that holds it)"
+    outside = lock_key_error(dash.prefix, form["key"])
+    if outside is not None:
+        return 400, f"{outside}: nothing cleared"
     return None
 
 
 async def _clear(request: Request) -> tuple[int, str, dict[str, Any]]:
     dash = _dash(request)
-    form = await _form(request)
+    try:
+        form = await _form(request)
+    except _TooLarge:
+        text = f"request body over {MAX_BODY} bytes: refused"
+        return 413, text, {"cleared": False, "error": text}
     refused = _refusal(dash, request, form)
     if refused is not None:
         return refused[0], refused[1], {"cleared": False, "error": refused[1]}
@@ -257,15 +314,15 @@ async def clear_api(request: Request) -> Response:
 
 def api_locks(request: Request) -> Response:
     dash = _dash(request)
-    task, state, cursor = _page_args(request)
+    task, scope, state, cursor = _page_args(request)
     found = lock_page(dash.client, dash.prefix, task=task, state=state, cursor=cursor,
-                      limit=dash.page_size, seen=dash.seen)
+                      limit=dash.page_size, seen=dash.seen, scope=scope)
     return _json({"locks": [lock.as_dict() for lock in found.locks], "cursor": found.cursor})
 
 
 def api_lock(request: Request) -> Response:
     dash = _dash(request)
-    lock = read_lock(dash.client, dash.prefix, request.query_params.get("key", ""))
+    lock = read_lock(dash.client, dash.prefix, _query(request, "key"))
     if lock is None:
         return _json({"exists": False}, 404)
     return _json({**lock.as_dict(), "exists": True})
@@ -309,6 +366,7 @@ async def _redis_error(request: Request, exc: Exception) -> Response:
 def build_app(
     client: redis.Redis, *, prefix: str, allow_clear: bool, token: str | None,
     sample_every: float, keep: int, page_size: int, scan_cap: int,
+    allowed_hosts: Sequence[str] = (),
 ) -> Starlette:
     routes = [
         Route("/", home),
@@ -335,7 +393,8 @@ def build_app(
             history.stop()
 
     app = Starlette(routes=routes, exception_handlers={redis.RedisError: _redis_error},
-                    lifespan=lifespan)
+                    lifespan=lifespan,
+                    middleware=[Middleware(HostGuard, allowed_hosts=allowed_hosts)])
     app.state.dashboard = _Dashboard(
         client=client, prefix=prefix, allow_clear=allow_clear, token=token, history=history,
         seen=FirstSeen(), page_size=page_size, scan_cap=scan_cap,

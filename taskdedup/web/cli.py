@@ -33,6 +33,9 @@ def _loopback(host: str) -> bool:
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to bind; anything but loopback exposes the dashboard.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8077, show_default=True)
+@click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="NAME",
+              help="Also answer requests for this host name (repeatable); loopback names and "
+                   "the --host address always work, any other Host header gets 400.")
 @click.option("--allow-clear", is_flag=True,
               help="Enable clearing a lock from its page; requests must carry the token.")
 @click.option("--token", envvar="TASKDEDUP_WEB_TOKEN", metavar="TOKEN",
@@ -45,8 +48,8 @@ def _loopback(host: str) -> bool:
               help="Samples kept in memory (the chart spans keep x sample-every seconds).")
 @click.pass_obj
 def web(
-    env: _Env, url: str | None, host: str, port: int, allow_clear: bool, token: str | None,
-    sample_every: float, keep: int,
+    env: _Env, url: str | None, host: str, port: int, allowed_hosts: tuple[str, ...],
+    allow_clear: bool, token: str | None, sample_every: float, keep: int,
 ) -> None:
     """Serve a read-only dashboard of the locks and stats (taskdedup[web]).
 
@@ -54,6 +57,8 @@ def web(
     detail, duplicate rate per task over time, lost leases and store errors. Binds
     127.0.0.1 unless --host says otherwise. With --allow-clear a lock can be cleared from its
     page with the token; without --token one is generated and printed once, on stderr.
+    It answers only to loopback names, the --host address and each --allowed-host (a
+    DNS-rebinding page gets 400).
     """
     try:
         import uvicorn
@@ -74,14 +79,16 @@ def web(
         raise CliError(f"--token must have at least {MIN_TOKEN_LENGTH} characters")
     try:
         app = create_app(url, prefix=env.prefix, allow_clear=allow_clear, token=token,
-                         sample_every=sample_every, keep=keep)
+                         sample_every=sample_every, keep=keep,
+                         allowed_hosts=[host, *allowed_hosts])
     except ConfigurationError as exc:
         raise CliError(str(exc)) from None
     except ImportError as exc:
         raise CliError(str(exc)) from None
     if not _loopback(host):
         click.echo(f"taskdedup web: listening on {host}, not loopback: anyone who reaches it "
-                   "sees task names and lock owners", err=True)
+                   "sees task names and lock owners; it answers only to the names given with "
+                   "--allowed-host", err=True)
     shown = f"[{host}]" if ":" in host else host
     click.echo(f"taskdedup web: http://{shown}:{port}/ "
                f"({'clearing enabled' if allow_clear else 'read-only'})", err=True)

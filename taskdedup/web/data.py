@@ -23,7 +23,7 @@ from typing import Any, Final
 import redis
 
 from ..events import logger
-from ..locks import Lock, key_text, lock_pattern, read_locks, split_key, to_lock
+from ..locks import Lock, key_bytes, key_text, lock_pattern, read_locks, split_key, to_lock
 from ..stats import TaskStats, read_stats
 from ..stores.base import Outcome
 from ..stores.redis import RedisStore
@@ -93,12 +93,14 @@ class LockPage:
 
 
 def _scan_locks(
-    client: redis.Redis, prefix: str, task: str | None, cursor: int, count: int = _SCAN_COUNT
+    client: redis.Redis, prefix: str, task: str | None, cursor: int, count: int = _SCAN_COUNT,
+    scope: str | None = None,
 ) -> tuple[int, list[Lock]]:
-    """One SCAN call from ``cursor`` and the locks among the keys it returned."""
-    cursor, keys = client.scan(cursor, match=lock_pattern(prefix, task), count=count)
+    """One SCAN call from ``cursor`` and the locks (of exactly ``task`` in ``scope``) among
+    the keys it returned."""
+    cursor, keys = client.scan(cursor, match=lock_pattern(prefix, task, scope), count=count)
     names = [key_text(key) for key in keys]
-    return int(cursor), (read_locks(client, prefix, names, task) if names else [])
+    return int(cursor), (read_locks(client, prefix, names, task, scope) if names else [])
 
 
 def lock_page(
@@ -110,8 +112,10 @@ def lock_page(
     cursor: int = 0,
     limit: int = 200,
     seen: FirstSeen | None = None,
+    scope: str | None = None,
 ) -> LockPage:
-    """Locks (of ``task``, in ``state``) from ``cursor`` on, about ``limit`` of them.
+    """Locks (of exactly ``task`` in ``scope``, in ``state``) from ``cursor`` on, about
+    ``limit`` of them.
 
     SCAN calls continue until ``limit`` locks are found, the scan ends, or
     ``_MAX_SCAN_CALLS`` calls were made (a sparse keyspace does not hold a request
@@ -121,7 +125,7 @@ def lock_page(
     found: list[Lock] = []
     count = max(10, min(_SCAN_COUNT, limit))
     for _ in range(_MAX_SCAN_CALLS):
-        cursor, locks = _scan_locks(client, prefix, task, cursor, count)
+        cursor, locks = _scan_locks(client, prefix, task, cursor, count, scope)
         found.extend(lock for lock in locks if state is None or lock.state == state)
         if cursor == 0 or len(found) >= limit:
             break
@@ -131,9 +135,10 @@ def lock_page(
 
 @dataclass(frozen=True)
 class Overview:
-    """Counts by task and state, and the locks worth a look, over up to ``cap`` keys."""
+    """Counts by (task, scope) and state, and the locks worth a look, over up to ``cap``
+    keys."""
 
-    counts: dict[str, dict[str, int]]
+    counts: dict[tuple[str, str], dict[str, int]]
     soonest: list[Lock]
     oldest: list[tuple[Lock, float]]
     no_expiry: int
@@ -146,7 +151,7 @@ def overview(
     seen: FirstSeen | None = None,
 ) -> Overview:
     """Scan at most about ``cap`` keys under ``prefix`` (SCAN, pipelined reads)."""
-    counts: dict[str, dict[str, int]] = {}
+    counts: dict[tuple[str, str], dict[str, int]] = {}
     soonest: list[tuple[int, str, Lock]] = []
     everyone: list[Lock] = []
     no_expiry = 0
@@ -156,7 +161,7 @@ def overview(
         cursor, locks = _scan_locks(client, prefix, None, cursor)
         for lock in locks:
             total += 1
-            by_state = counts.setdefault(lock.task, dict.fromkeys(STATES, 0))
+            by_state = counts.setdefault((lock.task, lock.scope), dict.fromkeys(STATES, 0))
             by_state[lock.state] = by_state.get(lock.state, 0) + 1
             if lock.ttl_ms == -1:
                 no_expiry += 1
@@ -189,8 +194,8 @@ def read_lock(client: redis.Redis, prefix: str, key: str) -> Lock | None:
     if split_key(prefix, key) is None:
         return None
     pipe = client.pipeline(transaction=True)
-    pipe.get(key)
-    pipe.pttl(key)
+    pipe.get(key_bytes(key))
+    pipe.pttl(key_bytes(key))
     value, pttl = pipe.execute(raise_on_error=False)
     if isinstance(pttl, Exception) or pttl == -2:
         return None
@@ -201,8 +206,8 @@ def clear_lock(client: redis.Redis, prefix: str, key: str, owner: str) -> bool:
     """Delete the lock at ``key`` if ``owner`` still holds it (compare-and-delete in Lua: a
     successor's lock is never touched). True when it was deleted."""
     if split_key(prefix, key) is None or not owner:
-        return False
-    return RedisStore(client).release(key, owner) is Outcome.OK
+        return False  # never a key outside the prefix (the app refuses it with a 400 first)
+    return RedisStore(client).release(key_bytes(key), owner) is Outcome.OK  # type: ignore[arg-type]
 
 
 # -- the counters over time --------------------------------------------------------------------
@@ -247,8 +252,10 @@ class StatsHistory:
         """Read the counters now and keep them; None (and :attr:`last_error`) on a failure."""
         try:
             tasks = read_stats(self.client, self.prefix)
-        except redis.RedisError as exc:
+        except Exception as exc:  # said on the page, never a silent stop of the chart
             self.last_error = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+            if not isinstance(exc, redis.RedisError):
+                logger.exception("taskdedup web: stats sample failed")
             return None
         item = Sample(time.time(), tasks)
         with self._lock:

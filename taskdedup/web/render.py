@@ -1,5 +1,6 @@
 """The dashboard's HTML and its chart, rendered on the server: no JavaScript, no CDN, no
-template engine. Every value that came from Redis goes through :func:`esc`."""
+template engine. Every value that came from Redis goes through :func:`esc` (HTML-escaped,
+control characters and undecodable bytes written as ``\\x1b``-style escapes)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Final
 from urllib.parse import urlencode
 
-from ..locks import Lock, ttl_text
+from ..locks import Lock, key_name, shown, ttl_text
 from ..stats import TaskStats
 from .data import STATES
 
@@ -32,13 +33,18 @@ td.n{text-align:right;font-variant-numeric:tabular-nums} code{font-size:12px;wor
 
 
 def esc(value: object) -> str:
-    """``value`` as HTML text (quotes escaped too: safe in attributes)."""
-    return html.escape("-" if value is None or value == "" else str(value), quote=True)
+    """``value`` as HTML text (quotes escaped too: safe in attributes); control characters
+    and undecodable bytes as escapes (``\\x1b``, ``\\xff``): a page must encode as UTF-8,
+    and what Redis holds is shown as it is, never acted on."""
+    return html.escape("-" if value is None or value == "" else shown(value), quote=True)
 
 
 def link(root: str, path: str, text: object, **query: object) -> str:
+    """An ``<a>`` to ``path`` with ``query``; undecodable bytes of a key travel
+    percent-encoded as themselves (the app reads them back with ``surrogateescape``)."""
     params = {name: value for name, value in query.items() if value not in (None, "")}
-    href = root + path + ("?" + urlencode(params) if params else "")
+    query_text = urlencode(params, encoding="utf-8", errors="surrogateescape")
+    href = root + path + ("?" + query_text if params else "")
     return f'<a href="{esc(href)}">{esc(text)}</a>'
 
 
@@ -108,13 +114,15 @@ def lock_rows(root: str, locks: Iterable[Lock], *, extra: Mapping[str, str] | No
     return rows
 
 
-def counts_table(root: str, counts: Mapping[str, Mapping[str, int]]) -> str:
+def counts_table(root: str, counts: Mapping[tuple[str, str], Mapping[str, int]]) -> str:
+    """Counts by (task, scope): each links to exactly that task's locks in that scope."""
     rows = []
-    for task, by_state in counts.items():
-        cells = [link(root, "/locks", task, task=task)]
+    for (task, scope), by_state in counts.items():
+        cells = [link(root, "/locks", key_name(task, scope), task=task, scope=scope)]
         for state in STATES:
             n = by_state.get(state, 0)
-            cells.append(link(root, "/locks", n, task=task, state=state) if n else "0")
+            cells.append(link(root, "/locks", n, task=task, scope=scope, state=state)
+                         if n else "0")
         cells.append(str(sum(by_state.values())))
         rows.append(cells)
     return table(["task", *STATES, "total"], rows, numeric=(1, 2, 3, 4), table_id="by-task",
