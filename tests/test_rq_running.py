@@ -101,3 +101,22 @@ def test_a_nested_synchronous_job_in_a_real_worker_gets_its_own_identity(
     finally:
         worker.stop()
 
+
+
+def test_an_ungated_synchronous_job_inside_a_job_never_sees_the_enclosing_identity(
+    rc: redis.Redis, tmp_path: Path
+) -> None:
+    """A ``dedup=False`` job run synchronously inside a gated one has no identity of its own:
+    it must not take the caller's (its ``effects()`` would record the caller's row)."""
+    url, name = sqlite_url(tmp_path), label()
+    sync = DedupQueue(f"rq-sync-{name}", connection=rc, is_async=False)
+    outside = Running("caller.task", "caller-id", "taskdedup:caller.task:" + "0" * 32, 60)
+    token = running.enter(outside)
+    try:
+        job = sync.enqueue(rq_jobs.identity_probe, name, url, dedup=False)
+        assert job is not None
+        assert records(rc, "ids", name) == [None]
+        assert records(rc, "fx", name) == []  # effects() outside a task: refused, not the caller's
+        assert running.current() == outside
+    finally:
+        running.leave(token)

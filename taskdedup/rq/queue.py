@@ -468,8 +468,12 @@ class DedupQueue(Queue):
         job's is restored after it) and its lock completed or released."""
         pending: tuple[Guard | None, GateResult | Exception] | None = getattr(
             job, _CLAIM_ATTR, None)
-        if pending is None:  # not guarded
-            return super().run_job(job)
+        if pending is None:  # not guarded: no identity, never the enclosing job's
+            token = running.enter(None)
+            try:
+                return super().run_job(job)
+            finally:
+                running.leave(token)
         delattr(job, _CLAIM_ATTR)
         guard, claim = pending
         if isinstance(claim, Exception):
