@@ -5,17 +5,20 @@ Every body records one run in Redis (``RPUSH model:runs:<name>:<key>``). All tas
 so "the queue is empty and nothing is unacked" means every message sent so far, and every
 message its execution published (a retry, a chain's next step), has been dealt with. The worker
 sends task events and tracks STARTED, as a worker watched by Flower does; a killed worker's
-unacknowledged messages come back within seconds (a small visibility timeout).
+unacknowledged messages come back within seconds (a small visibility timeout), and so does every
+countdown message a worker holds past it: kombu's copies of one message (SPEC §5).
 """
 
 from __future__ import annotations
 
 import os
 import time
+from functools import cache
+from typing import Any
 
 from celery import Celery, signals
 
-from taskdedup import Approximate, Policy
+from taskdedup import Approximate, Policy, running
 from taskdedup.celery import DedupTask
 from tests.effects import r
 
@@ -42,6 +45,9 @@ app.conf.update(
 WINDOW = Policy(mode="until_expired", ttl=300)   # longer than the test: a run is final
 ONCE = Policy(mode="until_executed", ttl=300)    # released when it ends (then may run again)
 STARTED = Policy(mode="until_executing", ttl=300)  # released when a worker starts it
+# A killed body's lock lapses soon: its redelivered message, put off while the dead run's lock
+# is still RUNNING by the same id (SPEC §5), runs within seconds rather than a minute.
+SHORT_LEASE = Policy(mode="until_expired", ttl=300, lease=3)
 # the window after success kept in rotating Bloom filters: the lock goes, the identity stays
 REMEMBERED = Policy(mode="until_expired", ttl=300, window=Approximate(10_000, 0.001))
 
@@ -58,11 +64,78 @@ def charge(key: str) -> str:
     return key
 
 
-@app.task(base=DedupTask, dedup=WINDOW, name="model.slow")
+@app.task(base=DedupTask, dedup=SHORT_LEASE, name="model.slow")
 def slow(key: str) -> str:
     """Long enough for the test to SIGKILL the worker while it runs."""
     ran("slow", key)
     time.sleep(1.5)
+    return key
+
+
+@app.task(base=DedupTask, dedup=WINDOW, name="model.eta_window")
+def eta_window(key: str) -> str:
+    """Sent with a countdown beyond the visibility timeout: kombu copies its message while a
+    worker holds it, and the copies claim while it runs (RUNNING by this id) and after it
+    succeeded (DONE by this id)."""
+    ran("eta_window", key)
+    time.sleep(1.0)
+    return key
+
+
+@app.task(base=DedupTask, dedup=ONCE, name="model.eta_once")
+def eta_once(key: str) -> str:
+    """As :func:`eta_window` under until_executed: the late copies find the tombstone
+    (``F|``) its success leaves for one lease, where the lock was simply gone before."""
+    ran("eta_once", key)
+    time.sleep(1.0)
+    return key
+
+
+@app.task(name="model.errback")
+def errback(key: str) -> None:
+    """An errback (``link_error``, immutable): must not run for a call that succeeded."""
+    ran("errback", key)
+
+
+@cache
+def _engine(db: str) -> Any:
+    import sqlalchemy as sa
+
+    return sa.create_engine(db)
+
+
+def _identity(key: str, where: str, db: str) -> None:
+    """Record the identity this code runs under (``model:identity:<key>``), and write the
+    durable record of it (:func:`taskdedup.sql.effects` on ``db``: its own row)."""
+    from taskdedup.sql import effects
+
+    current = running.current()
+    r().rpush(f"model:identity:{key}", f"{where}={current.key if current else None}")
+    with _engine(db).begin() as conn, effects(conn) as fx:
+        if fx.first:
+            fx.result = where
+
+
+@app.task(base=DedupTask, dedup=WINDOW, name="model.inner")
+def inner(key: str, where: str, db: str) -> str:
+    """Run inside :func:`nests`: under its own identity, never its caller's."""
+    ran("inner", f"{key}-{where}")
+    _identity(key, where, db)
+    return where
+
+
+@app.task(base=DedupTask, dedup=WINDOW, name="model.nests")
+def nests(key: str, db: str) -> str:
+    """Runs :func:`inner` with ``.apply()`` and then directly in-process, and records its own
+    identity before, between and after them (and its durable row, last)."""
+    ran("nests", key)
+    before = running.current()
+    r().rpush(f"model:identity:{key}", f"before={before.key if before else None}")
+    inner.apply((key, "applied", db))
+    between = running.current()
+    r().rpush(f"model:identity:{key}", f"between={between.key if between else None}")
+    inner(key, "direct", db)
+    _identity(key, "after", db)
     return key
 
 
