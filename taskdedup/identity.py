@@ -60,6 +60,16 @@ Anything else (an open file, a function or lambda, a class, ``object()``, a gene
 NaN, a reference cycle, nesting deeper than :data:`MAX_DEPTH`) raises ``TypeError``
 naming the argument path, e.g. ``kwargs['order'].items[3]``. Messages name the offending
 *type*, never an argument's value, so they are safe to log.
+
+Bounded work (arguments are not trusted: SPEC §8). One object may be met many times in one
+call — YAML anchors and aliases, pickle's references, ``[a, a]`` — and the canonical form
+repeats it each time, so a 4 KB message could stand for billions of nodes. Within one call
+each container (and each string, bytes or int longer than 256 bytes) is encoded once; met
+again, where its nesting is known to fit under :data:`MAX_DEPTH`, its bytes are repeated
+without walking it. The repetition is charged to :data:`MAX_SHARED_BYTES`: past it,
+``TypeError`` names the path where the budget ran out. Everything else is encoded once per
+occurrence in the input, so the work is linear in the size of the input plus that budget.
+Sharing never changes a canonical form: a value and an unshared copy of it have one identity.
 """
 
 from __future__ import annotations
@@ -74,12 +84,14 @@ import struct
 import uuid
 from collections.abc import Callable, Collection, Mapping, Sequence
 from decimal import Decimal
+from itertools import pairwise
 from operator import itemgetter
 from typing import Any, Final
 
 __all__ = [
     "FINGERPRINT_VERSION",
     "MAX_DEPTH",
+    "MAX_SHARED_BYTES",
     "bind_arguments",
     "canonical_bytes",
     "fingerprint",
@@ -93,6 +105,15 @@ FINGERPRINT_VERSION: int = 1
 MAX_DEPTH: Final = 100
 """Deepest nesting of containers accepted in one argument."""
 
+MAX_SHARED_BYTES: int = 32 * 1024 * 1024
+"""Most bytes of canonical form that objects met again in one call may repeat (32 MiB).
+
+An object seen twice — a YAML alias, a pickle reference, ``[a, a]`` — costs its canonical size
+again; past this budget :func:`fingerprint` raises ``TypeError`` naming the path. Legitimate
+arguments rarely repeat more than a few kilobytes; a hostile message that expands
+exponentially is stopped after a fraction of a second and this much memory.
+"""
+
 _ARGS_PREFIX: Final = b"taskdedup:v%d:args\0" % FINGERPRINT_VERSION
 _VALUE_PREFIX: Final = b"taskdedup:v%d:value\0" % FINGERPRINT_VERSION
 _HINT: Final = (
@@ -101,7 +122,8 @@ _HINT: Final = (
 _SIGNATURE_CACHE_SIZE: Final = 4096
 _RESOLVED_CACHE_SIZE: Final = 4096
 
-_Encoder = Callable[[Any, list[bytes], int], None]
+_LARGE: Final = 256
+"""Scalars (str, bytes, int) whose form is longer than this are remembered by ``id`` too."""
 
 _sha256 = hashlib.sha256
 _isnan = math.isnan
@@ -141,6 +163,107 @@ def _too_deep() -> _Refusal:
     return _Refusal(f"nested deeper than {MAX_DEPTH} levels", too_deep=True)
 
 
+def _over_budget() -> _Refusal:
+    return _Refusal(
+        "shared sub-objects (one object met again and again: YAML aliases, pickle references, "
+        f"[a, a]) repeat more than MAX_SHARED_BYTES ({MAX_SHARED_BYTES} bytes) of canonical "
+        "form; pass plain data, or an explicit dedup_key"
+    )
+
+
+# --- one call's memory of what it encoded --------------------------------------------------
+
+
+class _Walk(dict[int, tuple[Any, ...]]):
+    """What one canonicalization has encoded so far, by ``id``, and the bytes it repeated.
+
+    It maps a container's ``id`` to ``(obj, chunks, start, end, depth)`` — where its bytes lie
+    and the depth it was encoded at — or, once repeated, to ``(obj, bytes, depth)``. ``large``
+    holds the long scalars seen. Both keep their objects alive, so an ``id`` is never reused;
+    so does ``lists`` for the chunk lists other than the root registered in :data:`_WALKS`.
+    The attributes are class defaults until first set: a walk is cheap to make.
+    """
+
+    spent = 0
+    large: dict[int, Any] | None = None
+    lists: list[list[bytes]] | None = None
+
+
+_WALKS: dict[int, _Walk] = {}
+"""The walk of every chunk list of the calls under way, by the list's ``id``. Made on first
+need, so the common call (scalar arguments) never makes one, and chunk lists stay plain lists
+(CPython's fast paths for ``append`` and ``bytes.join`` want exactly a list)."""
+
+_Encoder = Callable[[Any, list[bytes], int], None]
+
+
+def _walk(out: list[bytes]) -> _Walk:
+    walk = _WALKS.get(id(out))
+    if walk is None:
+        walk = _WALKS[id(out)] = _Walk()
+    return walk
+
+
+def _sub(out: list[bytes], *chunks: bytes) -> list[bytes]:
+    """A separate chunk list (a set member, a key) that shares ``out``'s walk."""
+    walk = _walk(out)
+    sub = list(chunks)
+    if walk.lists is None:
+        walk.lists = [sub]
+    else:
+        walk.lists.append(sub)
+    _WALKS[id(sub)] = walk
+    return sub
+
+
+def _end(out: list[bytes]) -> None:
+    """Drop the walk of a call's root chunk list, and its other lists' entries."""
+    walk = _WALKS.pop(id(out), None)
+    if walk is not None and walk.lists is not None:
+        for chunks in walk.lists:
+            _WALKS.pop(id(chunks), None)
+
+
+def _spend(walk: _Walk, size: int) -> None:
+    walk.spent += size
+    if walk.spent > MAX_SHARED_BYTES:
+        raise _over_budget()
+
+
+def _seen(value: Any, out: list[bytes], depth: int) -> _Walk | None:
+    """The walk to record ``value`` in; None when ``value`` was encoded before at ``depth`` or
+    deeper (so its nesting fits here too) and its bytes have just been appended again."""
+    walk = _WALKS.get(id(out)) or _walk(out)
+    done = walk.get(id(value))
+    if done is None or depth > done[-1]:
+        return walk
+    _replay(walk, value, done, out)
+    return None
+
+
+def _replay(walk: _Walk, value: Any, done: tuple[Any, ...], out: list[bytes]) -> None:
+    """Append again the bytes of ``value`` (``done`` is its entry), charged to the budget."""
+    if len(done) == 5:
+        data = b"".join(done[1][done[2] : done[3]])
+        walk[id(value)] = (value, data, done[4])
+    else:
+        data = done[1]
+    _spend(walk, len(data))
+    out.append(data)
+
+
+def _repeat(out: list[bytes], value: Any, size: int) -> None:
+    """Charge a long scalar's ``size`` to the budget when this call has met it before."""
+    walk = _walk(out)
+    large = walk.large
+    if large is None:
+        walk.large = {id(value): value}
+    elif id(value) in large:
+        _spend(walk, size)
+    else:
+        large[id(value)] = value
+
+
 def _encode(value: Any, out: list[bytes], depth: int) -> None:
     tp = type(value)
     (_DISPATCH.get(tp) or _resolve(tp))(value, out, depth)
@@ -158,7 +281,10 @@ def _enc_bool(value: Any, out: list[bytes], depth: int) -> None:
 
 
 def _enc_int(value: Any, out: list[bytes], depth: int) -> None:
-    out.append(b"i%x;" % value)
+    chunk = b"i%x;" % value
+    if len(chunk) > _LARGE:
+        _repeat(out, value, len(chunk))
+    out.append(chunk)
 
 
 def _enc_float(value: Any, out: list[bytes], depth: int) -> None:
@@ -172,11 +298,15 @@ def _enc_float(value: Any, out: list[bytes], depth: int) -> None:
 
 def _enc_str(value: Any, out: list[bytes], depth: int) -> None:
     data = value.encode("utf-8", "surrogatepass")
+    if len(data) > _LARGE:
+        _repeat(out, value, len(data))
     out.append(b"s%x:%b" % (len(data), data))
 
 
 def _enc_bytes(value: Any, out: list[bytes], depth: int) -> None:
     data = bytes(value)
+    if len(data) > _LARGE:
+        _repeat(out, value, len(data))
     out.append(b"b%x:" % len(data))
     out.append(data)
 
@@ -220,6 +350,8 @@ def _enc_decimal(value: Any, out: list[bytes], depth: int) -> None:
     if end == 0:
         out.append(b"m0;")
         return
+    if end > _LARGE:
+        _repeat(out, value, end)
     exponent += len(digits) - end
     text = "".join(map(str, digits[:end]))
     out.append(b"m%s%se%d;" % (b"-" if sign else b"", text.encode("ascii"), exponent))
@@ -235,31 +367,48 @@ def _enc_uuid(value: Any, out: list[bytes], depth: int) -> None:
 def _enc_sequence(value: Any, out: list[bytes], depth: int) -> None:
     if depth >= MAX_DEPTH:
         raise _too_deep()
-    depth += 1
-    out.append(b"l%x:" % len(value))
+    if depth:
+        walk = _WALKS.get(id(out))
+        if walk is not None:
+            done = walk.get(id(value))
+            if done is not None and depth <= done[-1]:
+                _replay(walk, value, done, out)
+                return
+    start = len(out)
+    count = len(value)
+    out.append(b"l%x:" % count)
+    inner = depth + 1
     index = 0
     try:
         for index, item in enumerate(value):  # noqa: B007 (read by the except)
             tp = type(item)
             if tp is str:  # inlined: the most common item
                 data = item.encode("utf-8", "surrogatepass")
+                if len(data) > _LARGE:
+                    _repeat(out, item, len(data))
                 out.append(b"s%x:%b" % (len(data), data))
             else:
-                (_DISPATCH.get(tp) or _resolve(tp))(item, out, depth)
+                (_DISPATCH.get(tp) or _resolve(tp))(item, out, inner)
     except _Refusal as exc:
         exc.add(f"[{index}]", value)
         raise
+    if depth and count:
+        _walk(out)[id(value)] = (value, out, start, len(out), depth)
 
 
 def _enc_set(value: Any, out: list[bytes], depth: int) -> None:
     if depth >= MAX_DEPTH:
         raise _too_deep()
-    depth += 1
+    walk = _seen(value, out, depth) if depth else None
+    if depth and walk is None:
+        return
+    start = len(out)
+    inner = depth + 1
     parts: list[bytes] = []
     try:
         for item in value:
-            sub: list[bytes] = []
-            _encode(item, sub, depth)
+            sub = _sub(out)
+            _encode(item, sub, inner)
             parts.append(b"".join(sub))
     except _Refusal as exc:
         exc.add("{set}", value)
@@ -267,6 +416,8 @@ def _enc_set(value: Any, out: list[bytes], depth: int) -> None:
     parts.sort()
     out.append(b"e%x:" % len(parts))
     out.extend(parts)
+    if walk is not None and parts:
+        walk[id(value)] = (value, out, start, len(out), depth)
 
 
 def _key_segment(key: Any, attr: bool) -> str:
@@ -285,39 +436,42 @@ def _str_key(text: str) -> bytes:
     return b"s%x:%b" % (len(data), data)
 
 
-def _key_bytes(key: Any, depth: int) -> bytes:
+def _key_bytes(key: Any, depth: int, out: list[bytes]) -> bytes:
     """The encoded form of a mapping key: JSON's spelling for scalars, else tagged ``k``."""
     tp = type(key)
     if tp is str:
         return _str_key(key)
     if tp is int:
         try:
-            return _str_key(str(key))
+            encoded = _str_key(str(key))
         except ValueError:  # beyond sys.get_int_max_str_digits(); JSON could not carry it
             raise _Refusal("int key with too many digits") from None
+        if len(encoded) > _LARGE:
+            _repeat(out, key, len(encoded))
+        return encoded
     if tp is bool:
         return b"s4:true" if key else b"s5:false"
     if key is None:
         return b"s4:null"
     if tp is float:
         if key.is_integer():
-            return _key_bytes(int(key), depth)
+            return _key_bytes(int(key), depth, out)
     else:
         fn = _registered(tp)
         if fn is not None or tp not in _BUILTIN:
             if depth >= MAX_DEPTH:
                 raise _too_deep()
             if fn is not None:
-                return _key_bytes(fn(key), depth + 1)
+                return _key_bytes(fn(key), depth + 1, out)
             if isinstance(key, enum.Enum):
-                return _key_bytes(key.value, depth + 1)
+                return _key_bytes(key.value, depth + 1, out)
             if isinstance(key, str):
                 return _str_key(str.__str__(key))
             if isinstance(key, int):
-                return _key_bytes(int(key), depth)
+                return _key_bytes(int(key), depth, out)
             if isinstance(key, float):
-                return _key_bytes(float(key), depth)
-    sub = [b"k"]
+                return _key_bytes(float(key), depth, out)
+    sub = _sub(out, b"k")
     _encode(key, sub, depth)
     return b"".join(sub)
 
@@ -325,41 +479,54 @@ def _key_bytes(key: Any, depth: int) -> bytes:
 def _enc_mapping(value: Any, out: list[bytes], depth: int, attr: bool = False) -> None:
     if depth >= MAX_DEPTH:
         raise _too_deep()
-    depth += 1
+    if depth:
+        walk = _WALKS.get(id(out))
+        if walk is not None:
+            done = walk.get(id(value))
+            if done is not None and depth <= done[-1]:
+                _replay(walk, value, done, out)
+                return
+    start = len(out)
+    inner = depth + 1
     items: list[tuple[bytes, Any, Any]] = []
     key: Any = None
+    # Distinct str keys of a dict never share a form; other keys may ({1: a, "1": b}).
+    mixed = type(value) is not dict
     try:
         for key, item in value.items():
             if type(key) is str:
                 data = key.encode("utf-8", "surrogatepass")
+                if len(data) > _LARGE:
+                    _repeat(out, key, len(data))
                 items.append((b"s%x:%b" % (len(data), data), key, item))
             else:
-                items.append((_key_bytes(key, depth), key, item))
+                mixed = True
+                items.append((_key_bytes(key, inner, out), key, item))
     except _Refusal as exc:
         exc.add(f"[<{_typename(type(key))} key>]", value)
         raise
     if len(items) > 1:
         items.sort(key=_first)
     out.append(b"d%x:" % len(items))
-    start = len(out)
-    previous = b""
-    try:
-        for encoded_key, key, item in items:  # noqa: B007 (read by the except)
-            if encoded_key == previous:
-                del out[start:]
-                _enc_colliding_items(value, items, out, depth, attr)
-                return
-            previous = encoded_key
-            tp = type(item)
-            if tp is str:
-                data = item.encode("utf-8", "surrogatepass")
-                out.append(b"%bs%x:%b" % (encoded_key, len(data), data))
-            else:
-                out.append(encoded_key)
-                (_DISPATCH.get(tp) or _resolve(tp))(item, out, depth)
-    except _Refusal as exc:
-        exc.add(_key_segment(key, attr), value)
-        raise
+    if mixed and any(a[0] == b[0] for a, b in pairwise(items)):
+        _enc_colliding_items(value, items, out, inner, attr)
+    else:
+        try:
+            for encoded_key, key, item in items:  # noqa: B007 (read by the except)
+                tp = type(item)
+                if tp is str:
+                    data = item.encode("utf-8", "surrogatepass")
+                    if len(data) > _LARGE:
+                        _repeat(out, item, len(data))
+                    out.append(b"%bs%x:%b" % (encoded_key, len(data), data))
+                else:
+                    out.append(encoded_key)
+                    (_DISPATCH.get(tp) or _resolve(tp))(item, out, inner)
+        except _Refusal as exc:
+            exc.add(_key_segment(key, attr), value)
+            raise
+    if depth and items:
+        _walk(out)[id(value)] = (value, out, start, len(out), depth)
 
 
 def _enc_colliding_items(
@@ -368,7 +535,7 @@ def _enc_colliding_items(
     """Rare path: two keys share a form (``{1: a, "1": b}``); order pairs by value too."""
     pairs: list[tuple[bytes, bytes]] = []
     for encoded_key, key, item in items:
-        sub: list[bytes] = []
+        sub = _sub(out)
         try:
             _encode(item, sub, depth)
         except _Refusal as exc:
@@ -395,6 +562,10 @@ def _enc_enum(value: Any, out: list[bytes], depth: int) -> None:
 
 
 def _enc_model(value: Any, out: list[bytes], depth: int) -> None:
+    walk = _seen(value, out, depth) if depth else None
+    if depth and walk is None:
+        return
+    start = len(out)
     dumped = value.model_dump()
     if not isinstance(dumped, Mapping):
         raise _Refusal(
@@ -406,6 +577,8 @@ def _enc_model(value: Any, out: list[bytes], depth: int) -> None:
     except _Refusal as exc:
         exc.add("", value)
         raise
+    if walk is not None:
+        walk[id(value)] = (value, out, start, len(out), depth)
 
 
 def _make_dataclass_encoder(tp: type) -> _Encoder:
@@ -415,7 +588,10 @@ def _make_dataclass_encoder(tp: type) -> _Encoder:
     def encode_dataclass(value: Any, out: list[bytes], depth: int) -> None:
         if depth >= MAX_DEPTH:
             raise _too_deep()
-        depth += 1
+        walk = _seen(value, out, depth) if depth else None
+        if depth and walk is None:
+            return
+        start = len(out)
         out.append(header)
         name = ""
         try:
@@ -423,10 +599,12 @@ def _make_dataclass_encoder(tp: type) -> _Encoder:
                 out.append(encoded_key)
                 item = getattr(value, name)
                 tp = type(item)
-                (_DISPATCH.get(tp) or _resolve(tp))(item, out, depth)
+                (_DISPATCH.get(tp) or _resolve(tp))(item, out, depth + 1)
         except _Refusal as exc:
             exc.add(f".{name}", value)
             raise
+        if walk is not None:
+            walk[id(value)] = (value, out, start, len(out), depth)
 
     return encode_dataclass
 
@@ -435,11 +613,17 @@ def _make_converter(fn: Callable[[Any], Any]) -> _Encoder:
     def encode_registered(value: Any, out: list[bytes], depth: int) -> None:
         if depth >= MAX_DEPTH:
             raise _too_deep()
+        walk = _seen(value, out, depth) if depth else None
+        if depth and walk is None:
+            return
+        start = len(out)
         try:
             _encode(fn(value), out, depth + 1)
         except _Refusal as exc:
             exc.add("", value)
             raise
+        if walk is not None:
+            walk[id(value)] = (value, out, start, len(out), depth)
 
     return encode_registered
 
@@ -865,6 +1049,7 @@ def _head(prefix: bytes, name: str, scope: str | None) -> bytes:
     else:
         out.append(b"N")
     _enc_str(str.__str__(name), out, 0)
+    _end(out)  # a long name or scope was remembered
     head = b"".join(out)
     if len(_HEADS) >= _SIGNATURE_CACHE_SIZE:
         _HEADS.clear()
@@ -964,6 +1149,9 @@ def fingerprint(
                 raise _as_type_error(exc, "kwargs") from None
     except RecursionError:
         raise _recursion_error(repr(name)) from None
+    finally:
+        if _WALKS:
+            _end(out)
     return _sha256(b"".join(out)).hexdigest()[:32]
 
 
@@ -989,6 +1177,9 @@ def fingerprint_value(name: str, value: Any, *, scope: str | None = None) -> str
         raise _as_type_error(exc, "value") from None
     except RecursionError:
         raise _recursion_error(repr(name)) from None
+    finally:
+        if _WALKS:
+            _end(out)
     return _sha256(b"".join(out)).hexdigest()[:32]
 
 
@@ -1008,4 +1199,7 @@ def canonical_bytes(value: Any) -> bytes:
         raise _as_type_error(exc, "value") from None
     except RecursionError:
         raise _recursion_error("a value") from None
+    finally:
+        if _WALKS:
+            _end(out)
     return b"".join(out)
