@@ -6,23 +6,66 @@ published twice by two fresh calls, a retry in both forms (``raise self.retry(..
 ``self.retry(..., throw=False)`` then a normal return), a final failure followed by the
 user's re-enqueue, a chain whose next step is a duplicate, a revoke of a queued call followed
 by the user's re-enqueue, a worker SIGKILLed while a body runs (its duplicate sent while it is
-down), and a duplicate sent by name (no reservation: the worker's claim skips it). After each
-step the test waits until the worker has dealt with every message (the queue is empty and
-nothing is unacked: every task acks late) and checks the invariants:
+down), a duplicate sent by name (no reservation: the worker's claim skips it), and since the
+same-id copy rule (SPEC §5, issue #19):
+
+* ``eta_copies``: countdowns beyond the visibility timeout (until_expired and
+  until_executed), so kombu restores the held messages and copies of one id claim while the
+  body runs and after it succeeded;
+* ``nested``: a gated task runs another with ``.apply()`` and one directly in-process, each
+  recording ``taskdedup.running.current().key`` and writing ``taskdedup.sql.effects`` on
+  SQLite (SPEC §11);
+* ``redeliver_after_success_in_chain``: a chain's step that succeeded comes back as kombu
+  redelivers it (same id, same ``taskdedup`` header, its next step and an errback attached);
+* ``skewed_clock``: an approximate window (the ``remember`` task) asked by a producer whose
+  clock is off by more than the whole window (SPEC §12).
+
+After each step the test waits until the worker has dealt with every message (the queue is
+empty and nothing is unacked: every task acks late; after a step with copies, for a while
+with kombu's restore run meanwhile) and checks the invariants:
 
 * bodies: each identity ran exactly as often as the model says (a retry runs, a duplicate
-  does not, a task that ran is never run again because of a duplicate after it; a body killed
-  half-way runs again under its own id, which is at-least-once delivery, not a duplicate);
-* handles: a duplicate call is answered with the original's id;
+  does not, a task that ran is never run again because of a duplicate after it, nor because
+  of a copy of its own message or its redelivery after success; a body killed half-way runs
+  again under its own id, which is at-least-once delivery, not a duplicate); no errback runs
+  for a call that succeeded;
+* handles: a duplicate call is answered with the original's id (a call an approximate window
+  remembers: with None);
+* identities: an inner execution runs under its own key, the outer one's is restored after
+  it, and each identity has its own durable row;
 * locks: none is left ``R`` (running) once its owner stopped; an ``until_executed`` lock is
-  gone after its task ended; an ``until_expired`` lock is ``D`` by the original's id;
-* results: every id the test awaits ends in the state the model says (SUCCESS, a skipped
-  duplicate's SUCCESS naming its original, or FAILURE with ``DuplicateTaskError`` for a chain
-  whose step is a duplicate): nothing stays PENDING or STARTED.
+  gone after its task ended, or is the ``F|`` tombstone of that task's id; an
+  ``until_expired`` lock is ``D`` by the original's id;
+* results: every id the test awaits ends in the state the model says (SUCCESS with the body's
+  value, a skipped duplicate's SUCCESS naming its original, or FAILURE with
+  ``DuplicateTaskError`` for a chain whose step is a duplicate): nothing stays PENDING or
+  STARTED.
 
 Every seed's sequence holds every operation at least once, in a random order, plus random
-extra calls; the seeds are fixed so a failure can be replayed (``TASKDEDUP_MODEL_SEEDS``;
-``TASKDEDUP_MODEL_OPS`` narrows the operations, e.g. to find what a second bug does).
+extra calls of the quick operations; the seeds are fixed so a failure can be replayed
+(``TASKDEDUP_MODEL_SEEDS``; ``TASKDEDUP_MODEL_OPS`` narrows the operations, e.g. to find what
+a second bug does).
+
+What the new operations find on the code before the copy rule (efd3d2e; run in a worktree
+with ``PYTHONPATH`` at it, so the workers run that library too):
+
+==================================  =====================================================
+``TASKDEDUP_MODEL_OPS=...``         failure at efd3d2e (``TASKDEDUP_MODEL_SEEDS=11``)
+==================================  =====================================================
+eta_copies                          ``eta_window(k) ran 2 times, the model says 1`` (a copy
+                                    claimed the RUNNING lock of its own id and ran too)
+nested                              identities ``[before=<outer>, applied=<inner>,
+                                    between=None, direct=None]``: the outer's is lost after
+                                    ``.apply()``, the direct call has none and its
+                                    ``effects()`` fails
+redeliver_after_success_in_chain    ``errback(k) ran 1 times, the model says 0`` (the
+                                    redelivery was skipped as a duplicate of itself, and
+                                    its DuplicateTaskError went to the errback)
+skewed_clock                        ``remember(k) succeeded within the window: a producer
+                                    -450000 ms off must still be answered as its duplicate
+                                    (None), got a new call``
+(default: all, seeds 11,12)         seed 11, step redeliver_after_success_in_chain (above)
+==================================  =====================================================
 """
 
 from __future__ import annotations
@@ -392,8 +435,8 @@ class Driver:
         self.log.append(f"remember.delay({key}) with the producer's clock {skew_ms} ms off "
                         f"-> {getattr(again, 'id', None)}")
         assert again is None, (
-            f"remember({key}) ran within the window: a producer {skew_ms} ms off must still "
-            f"find it remembered, got a new call {again.id}")
+            f"remember({key}) succeeded within the window: a producer {skew_ms} ms off must "
+            f"still be answered as its duplicate (None), got a new call {again.id}")
 
     # -- the invariants ------------------------------------------------------------------
 
@@ -408,6 +451,20 @@ class Driver:
             assert self.runs(name, key) == expected, (
                 f"{name}({key}) ran {self.runs(name, key)} times, the model says {expected}; "
                 f"steps: {self.log}")
+        for key, expected in self.model.identities.items():
+            seen = [x.decode() for x in self.rc.lrange(f"model:identity:{key}", 0, -1)]
+            assert seen == expected, (
+                f"nests({key}) ran under these identities {seen}, the model says {expected} "
+                f"(before, .apply(), between, direct call, after); steps: {self.log}")
+        if self.model.rows:
+            engine = sa.create_engine(str(self.database))
+            effects = table(sa.MetaData())
+            with engine.connect() as conn:
+                keys = Counter(row.key for row in conn.execute(sa.select(effects)))
+            engine.dispose()
+            assert keys == Counter(self.model.rows), (
+                f"the durable rows are {dict(keys)}, the model says one per identity "
+                f"{sorted(self.model.rows)}; steps: {self.log}")
         for (name, key), owner in self.model.original.items():
             if name == "retry_once":
                 continue  # its identity includes `throw`; checked by runs
@@ -440,20 +497,6 @@ class Driver:
                 assert result.result == self.model.values[task_id], (
                     f"{task_id}'s result is {result.result!r}, the model says "
                     f"{self.model.values[task_id]!r}; steps: {self.log}")
-        for key, expected in self.model.identities.items():
-            seen = [x.decode() for x in self.rc.lrange(f"model:identity:{key}", 0, -1)]
-            assert seen == expected, (
-                f"nests({key}) ran under these identities {seen}, the model says {expected} "
-                f"(before, .apply(), between, direct call, after); steps: {self.log}")
-        if self.model.rows:
-            engine = sa.create_engine(str(self.database))
-            effects = table(sa.MetaData())
-            with engine.connect() as conn:
-                keys = Counter(row.key for row in conn.execute(sa.select(effects)))
-            engine.dispose()
-            assert keys == Counter(self.model.rows), (
-                f"the durable rows are {dict(keys)}, the model says one per identity "
-                f"{sorted(self.model.rows)}; steps: {self.log}")
 
 
 @contextmanager
