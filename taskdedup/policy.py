@@ -13,12 +13,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from enum import Enum, StrEnum
-from typing import Any
+from typing import Any, Final
 
 from .approximate import Approximate
 from .exceptions import ConfigurationError
 
 __all__ = [
+    "MAX_DURATION_MS",
     "Mode",
     "OnDuplicate",
     "OnStoreError",
@@ -77,21 +78,60 @@ class OnStoreError(StrEnum):
 Duration = float | int | timedelta
 KeyFunc = Callable[..., Any]
 
+MAX_DURATION_MS: Final = 100 * 365 * 24 * 3600 * 1000
+"""The longest duration taskdedup accepts, in milliseconds: 100 years.
 
-def _seconds(name: str, value: Duration) -> float:
+Redis stores an expiry as milliseconds since the epoch in a signed 64-bit integer and refuses a
+``PX``/``PEXPIRE`` that overflows once added to its clock ("invalid expire time"): a policy
+beyond that would fail every reservation, which a worker would take for "store unavailable"
+and retry forever. 100 years (3.2e12 ms) is far longer than any window needs and far below
+that limit (2**63 / 1000 ≈ 9.2e15 ms) even with the clock and a countdown or ETA added: the
+integrations clamp ttl + countdown to a multiple of this cap."""
+
+_MAX_SECONDS: Final = MAX_DURATION_MS / 1000
+
+
+def duration_seconds(owner: str, value: Duration) -> float:
+    """``value`` (seconds or a timedelta) as positive, finite seconds within the cap.
+
+    ``owner`` names the field in the message (``"Policy.ttl"``). Shared by every duration of
+    the public API, so all are refused alike when the task or queue is declared.
+
+    Raises:
+        ConfigurationError: not a number or timedelta, not positive, NaN, infinite, or longer
+            than :data:`MAX_DURATION_MS`.
+    """
     if isinstance(value, timedelta):
         seconds = value.total_seconds()
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        seconds = float(value)
+        try:
+            seconds = float(value)
+        except OverflowError:  # an int beyond any float: too long, not infinite
+            seconds = 2 * _MAX_SECONDS
     else:
         raise ConfigurationError(
-            f"Policy.{name} must be seconds (int/float) or a timedelta, got {type(value).__name__}"
+            f"{owner} must be seconds (int/float) or a timedelta, got {type(value).__name__}"
         )
     if not seconds > 0 or seconds == float("inf"):
         raise ConfigurationError(
-            f"Policy.{name} must be a positive, finite number of seconds, got {value!r}"
+            f"{owner} must be a positive, finite number of seconds, got {value!r}"
+        )
+    if seconds > _MAX_SECONDS:
+        raise ConfigurationError(
+            f"{owner}={_shown(value)} is more than Redis can keep: give at most "
+            f"{_MAX_SECONDS:.0f} "
+            "seconds (100 years, taskdedup.policy.MAX_DURATION_MS)"
         )
     return seconds
+
+
+def _shown(value: Duration) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _seconds(name: str, value: Duration) -> float:
+    return duration_seconds(f"Policy.{name}", value)
 
 
 def _enum(enum: type[Enum], name: str, value: Any) -> Any:

@@ -14,6 +14,7 @@ import pytest
 
 import taskdedup
 from taskdedup import ConfigurationError, Mode, OnDuplicate, OnStoreError, Policy, TaskDedupError
+from taskdedup.policy import MAX_DURATION_MS
 
 
 @pytest.fixture(autouse=True)
@@ -113,6 +114,36 @@ def test_non_positive_duration_is_refused(field: str, value: Any) -> None:
 def test_nan_and_infinite_duration_is_refused(field: str, value: float) -> None:
     with pytest.raises(ConfigurationError, match=rf"Policy\.{field} must be a positive, finite"):
         Policy(**{field: value})
+
+
+@pytest.mark.parametrize("field", ["ttl", "lease"])
+@pytest.mark.parametrize(
+    "value",
+    [1e17, 2**63, 10**400, 1e300, timedelta.max, MAX_DURATION_MS / 1000 + 1, 3.2e9],
+    ids=repr,
+)
+def test_duration_redis_cannot_store_is_refused(field: str, value: Any) -> None:
+    """Redis refuses a PX/PEXPIRE that overflows once added to the clock (and a countdown):
+    such a policy would fail every reservation ("store unavailable", forever)."""
+    with pytest.raises(ConfigurationError) as info:
+        Policy(**{field: value})
+    message = str(info.value)
+    assert f"Policy.{field}" in message and "at most" in message and "100 years" in message
+
+
+@pytest.mark.parametrize("field", ["ttl", "lease"])
+def test_duration_up_to_the_cap_is_accepted(field: str) -> None:
+    top = Policy(**{field: MAX_DURATION_MS / 1000})
+    assert getattr(top, f"{field}_ms") == MAX_DURATION_MS
+    assert Policy(**{field: timedelta(days=365 * 99)})
+
+
+def test_the_cap_leaves_room_for_the_clock_and_a_countdown() -> None:
+    """ms since the epoch now and in 2200, plus the cap twice (ttl + a countdown clamped to it),
+    stay far below the 64-bit limit Redis checks against."""
+    assert MAX_DURATION_MS == 100 * 365 * 24 * 3600 * 1000
+    year_2200_ms = 7_258_118_400_000
+    assert year_2200_ms + 2 * MAX_DURATION_MS < 2**63 // 1000
 
 
 @pytest.mark.parametrize("field", ["ttl", "lease"])
