@@ -4,8 +4,9 @@ Each check answers with a :class:`Finding`: the server's version (Redis 6.2+, Va
 its eviction policy (anything but ``noeviction`` under a memory limit deletes locks), whether
 the user may run scripts (EVAL, EVALSHA), Cluster mode, whether the user reaches keys under
 the prefix (an ACL ``~{prefix}:*``), and whether it may run the bitmap commands approximate
-windows use (a problem only where windows are in use under the prefix). Nothing is left
-behind: the probe lock is released and the probe bitmap deleted at once.
+windows use (a problem only where windows are in use under the prefix), and whether it may run
+the other commands of the least-privilege rule (the stats flush, the operators' tools, the
+server's clock). Nothing is left behind: the probe keys are deleted at once.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def diagnose(client: Any, prefix: str) -> list[Finding]:
     """
     client.ping()
     return [*_server_checks(client), _script_check(client), _prefix_check(client, prefix),
-            _window_check(client, prefix)]
+            _commands_check(client, prefix), _window_check(client, prefix)]
 
 
 def _server_checks(client: Any) -> list[Finding]:
@@ -120,6 +121,59 @@ def _prefix_check(client: Any, prefix: str) -> Finding:
             return Finding("acl", False, f"a probe lock under {prefix}:* failed: {cause}")
         raise
     return Finding("acl", True, f"a probe lock under {prefix}:* was taken and released")
+
+
+# What each command of the ACL rule (docs/how-to/operating.md) is for, beyond the scripts,
+# the probe lock and the windows' bitmap commands probed by the other checks.
+_COMMAND_USES = {
+    "get": "reading a lock", "set": "writing a lock", "del": "releasing a lock",
+    "pttl": "a lock's TTL", "pexpire": "the heartbeat", "time": "approximate windows' clock",
+    "hincrby": "the stats flush", "hgetall": "stats and the dashboard", "scan": "list/clear/stats",
+    "type": "inspect", "multi": "inspect and the dashboard", "exec": "inspect and the dashboard",
+}
+
+
+def _commands_check(client: Any, prefix: str) -> Finding:
+    """Each command of the least-privilege rule that the other checks do not reach, run by
+    name on a probe key under the prefix (a script's commands are checked against the ACL
+    like any other, so running them directly tells which one a script would be refused)."""
+    key = f"{prefix}:doctor:{uuid.uuid4().hex}"
+    probes = {
+        "set": ("SET", key, "probe", "PX", 10_000), "get": ("GET", key),
+        "pttl": ("PTTL", key), "pexpire": ("PEXPIRE", key, 10_000), "type": ("TYPE", key),
+        "del": ("DEL", key), "time": ("TIME",),
+        "hincrby": ("HINCRBY", key, "probe", 1), "hgetall": ("HGETALL", key),
+        "scan": ("SCAN", 0, "MATCH", glob_escape(key), "COUNT", 10),
+    }
+    pipe = client.pipeline(transaction=False)
+    for command in probes.values():
+        pipe.execute_command(*command)
+    pipe.delete(key)
+    replies = dict(zip(probes, pipe.execute(raise_on_error=False), strict=False))
+    denied = [name for name, reply in replies.items() if isinstance(reply, NoPermissionError)]
+    other = [f"{name}: {reply}" for name, reply in replies.items()
+             if isinstance(reply, RedisError) and not isinstance(reply, NoPermissionError)]
+    try:
+        atomic = client.pipeline(transaction=True)
+        atomic.get(key)
+        atomic.execute()
+    except NoPermissionError:
+        denied += ["multi", "exec"]
+    except RedisError as exc:
+        if "NOPERM" in str(exc) or "permission" in str(exc).lower():
+            denied += ["multi", "exec"]
+        else:
+            other.append(f"multi/exec: {exc}")
+    if denied:
+        uses = sorted({_COMMAND_USES[name] for name in denied})
+        return Finding("commands", False,
+                       f"this user may not run {', '.join(denied)} ({'; '.join(uses)} fail)",
+                       f"allow {' '.join('+' + n for n in denied)} to the taskdedup user (the "
+                       "rule in docs/how-to/operating.md)")
+    if other:
+        return Finding("commands", False, f"a probe under {prefix}:* failed: {other[0]}")
+    return Finding("commands", True, "the stats flush, the operators' tools and the server's "
+                   "clock are permitted (" + " ".join(sorted(probes)) + " multi exec)")
 
 
 def _window_check(client: Any, prefix: str) -> Finding:

@@ -56,7 +56,8 @@ def test_doctor_passes_on_a_server_that_never_evicts(own: redis.Redis,
                                                      own_server: RedisServer) -> None:
     code, checks = doctor(own_server.url)
     assert code == 0
-    assert set(checks) == {"server", "eviction", "cluster", "scripts", "acl", "windows"}
+    assert set(checks) == {"server", "eviction", "cluster", "scripts", "acl", "commands",
+                           "windows"}
     assert all(c["ok"] for c in checks.values())
     assert own.keys("taskdedup:doctor:*") == []  # the probe lock was released
     assert own.keys("taskdedup:bloom:*") == []  # and the probe bitmap deleted
@@ -121,6 +122,29 @@ def test_doctor_reports_a_user_without_scripts_or_without_the_prefix(
     code, checks = doctor(f"redis://narrow:pw@{host_port}")
     assert code == 1 and checks["scripts"]["ok"] is True and checks["acl"]["ok"] is False
     assert "~taskdedup:*" in str(checks["acl"]["fix"])
+
+
+def test_doctor_names_the_commands_of_the_rule_a_user_lacks_beyond_the_scripts(
+    own: redis.Redis, own_server: RedisServer,
+) -> None:
+    """The rule the docs used to give: every script ran, but the stats flush (HINCRBY) and
+    the operators' tools (HGETALL, TYPE, MULTI/EXEC) were refused, and doctor said nothing."""
+    host_port = own_server.url.split("://", 1)[1]
+    own.execute_command(*(
+        "ACL SETUSER oldrule on >pw resetkeys ~taskdedup:* -@all +evalsha +eval +get +set "
+        "+pttl +pexpire +del +script|load +scan +time +getbit +setbit +bitfield +exists "
+        "+pexpireat +bitcount +strlen +ping +info"
+    ).split())
+    try:
+        code, checks = doctor(f"redis://oldrule:pw@{host_port}")
+        assert code == 1 and checks["commands"]["ok"] is False
+        assert checks["scripts"]["ok"] and checks["acl"]["ok"] and checks["windows"]["ok"]
+        for name in ("hincrby", "hgetall", "type", "multi", "exec"):
+            assert name in str(checks["commands"]["detail"])
+            assert f"+{name}" in str(checks["commands"]["fix"])
+        assert "the stats flush" in str(checks["commands"]["detail"])
+    finally:
+        own.execute_command("ACL", "DELUSER", "oldrule")
 
 
 def test_an_rq_worker_checks_the_server_before_it_forks_work_horses(
