@@ -637,7 +637,7 @@ def read_windows(
         batch = keys[start : start + _READ_BATCH]
         pipe = client.pipeline(transaction=False)
         for key in batch:
-            pipe.eval(_WINDOW_READ, 1, key)
+            pipe.eval(_WINDOW_READ, 1, key_bytes(key))
         for key, reply in zip(batch, pipe.execute(raise_on_error=False), strict=True):
             parsed = _window_task(prefix, key)
             if isinstance(reply, Exception):

@@ -319,3 +319,25 @@ def test_pending_deltas_are_flushed_at_interpreter_exit(redis_url: str,
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert fields(redis_client, "app.exit")["reserved"] == 1
+
+
+def test_read_stats_skips_what_someone_else_wrote_and_keeps_the_counters(
+    redis_client: redis.Redis, recorder: StatsRecorder
+) -> None:
+    """A non-integer field, an undecodable name, a non-UTF-8 stats key or slice key: the other
+    counters are still read (SPEC §8: odd fields never break stats)."""
+    recorder(ev(Event.RESERVED))
+    recorder(ev(Event.DUPLICATE))
+    recorder.flush()
+    redis_client.hset(stats_key("taskdedup", "app.a"), mapping={"skipped": "1.5", b"\xff": 2})
+    redis_client.hset(b"taskdedup:stats:app.\xfe", "reserved", 4)
+    redis_client.set(b"taskdedup:bloom:app.\xfe:{0bad.0}:1", b"\x00" * 20)
+    stats = read_stats(redis_client)
+    assert (stats["app.a"].accepted, stats["app.a"].duplicates) == (1, 1)
+    assert stats["app.a"].ignored == ("skipped",) and stats["app.a"].skipped == 0
+    assert stats["app.a"].get("\udcff") == 2
+    assert stats["app.\udcfe"].accepted == 4
+    assert stats["app.a"].as_dict()["ignored_fields"] == ["skipped"]
+    from taskdedup.stats import read_windows
+
+    assert "app.\udcfe" in read_windows(redis_client)
