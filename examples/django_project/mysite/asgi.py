@@ -20,8 +20,11 @@ from starlette.routing import Mount  # noqa: E402
 
 from taskdedup.web import create_app  # noqa: E402
 
+# The dashboard answers only to the Host names Django answers to (a DNS-rebinding page
+# cannot read it); loopback names are always accepted.
 dashboard = create_app(
-    settings.CELERY_TASKDEDUP_URL or settings.REDIS_URL, prefix=settings.CELERY_TASKDEDUP_PREFIX
+    settings.CELERY_TASKDEDUP_URL or settings.REDIS_URL, prefix=settings.CELERY_TASKDEDUP_PREFIX,
+    allowed_hosts=[host for host in settings.ALLOWED_HOSTS if host != "*"],
 )
 application = Starlette(routes=[
     Mount("/ops/taskdedup", app=dashboard),
