@@ -18,7 +18,9 @@ __all__ = ["Running", "current", "enter", "leave"]
 class Running:
     """A task being executed: its name, its id and its identity's lock key.
 
-    ``ttl`` is the policy's window in seconds (what a durable record of it defaults to).
+    ``ttl`` is the policy's window in seconds (the Redis window: a durable record of the
+    execution, :func:`taskdedup.sql.effects`, lives longer). A durable record shorter than
+    ``redelivery`` could expire before the broker redelivers the message: it warns.
     """
 
     task: str

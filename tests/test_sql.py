@@ -12,6 +12,8 @@ SIGKILLed workers: test_sql_faults.py.
 from __future__ import annotations
 
 import json
+import logging
+import math
 import multiprocessing
 import sys
 import uuid
@@ -142,6 +144,24 @@ def test_result_is_json_and_only_the_first_run_sets_it(engine: sa.Engine, task: 
         assert fx.result == {"n": [1, 2.5, "x", None, True]}
 
 
+@pytest.mark.parametrize(
+    "value",
+    [math.nan, math.inf, -math.inf, {"a": [1, {"b": math.nan}]}, [1.5, math.inf]],
+    ids=["nan", "inf", "-inf", "nested-nan", "nested-inf"],
+)
+def test_nan_and_infinity_in_a_result_are_refused_when_set(
+    engine: sa.Engine, task: Running, value: Any
+) -> None:
+    """SQLite would store NaN; PostgreSQL fails the whole transaction at the block's end, on
+    every retry. Refused at once, nothing stored."""
+    with engine.begin() as conn, effects(conn) as fx:
+        with pytest.raises(ValueError, match="NaN and Infinity"):
+            fx.result = value
+        assert fx.result is None
+    (row,) = rows(engine)
+    assert row.result is None
+
+
 def test_orm_session_records_in_its_transaction(engine: sa.Engine, task: Running) -> None:
     with Session(engine) as session, session.begin():
         assert charge(session, "ORD-S", 300) == {"charged": 300}
@@ -161,17 +181,22 @@ def test_orm_session_records_in_its_transaction(engine: sa.Engine, task: Running
 # -- the key and ttl -------------------------------------------------------------------------
 
 
-def test_key_and_ttl_default_to_the_running_task(engine: sa.Engine, task: Running) -> None:
+def test_key_defaults_to_the_running_task_and_ttl_to_seven_days(
+    engine: sa.Engine, task: Running
+) -> None:
+    """The row outlives every redelivery: its lifetime is not the policy's Redis window (600 s
+    here, while kombu redelivers an unacked message after 3600 s)."""
+    assert DEFAULT_TTL == 7 * 24 * 3600
     before = datetime.now(UTC)
     with engine.begin() as conn, effects(conn) as fx:
         assert fx.key == task.key and fx.task_id == task.task_id
     (row,) = rows(engine)
     window = _aware(row.expires) - _aware(row.created)
-    assert window == timedelta(seconds=task.ttl)
+    assert window == timedelta(days=7) != timedelta(seconds=task.ttl)
     assert _aware(row.created) >= before - timedelta(seconds=1)
 
 
-def test_outside_a_task_key_is_required_and_ttl_defaults_to_a_day(engine: sa.Engine) -> None:
+def test_outside_a_task_key_is_required_and_ttl_defaults_to_seven_days(engine: sa.Engine) -> None:
     assert running.current() is None
     with engine.begin() as conn:
         with pytest.raises(ConfigurationError, match="outside a gated Celery/RQ task needs key"):
@@ -196,13 +221,93 @@ def test_explicit_key_inside_a_task_overrides_the_running_identity(
 
 def test_bad_arguments_are_configuration_errors(engine: sa.Engine, task: Running) -> None:
     with engine.begin() as conn:
-        for ttl in (0, -1, timedelta(0)):
+        for ttl in (0, -1, timedelta(0), math.nan, math.inf):
             with pytest.raises(ConfigurationError, match="positive"), effects(conn, ttl=ttl):
+                pass
+        for ttl in (1e17, timedelta.max):
+            with pytest.raises(ConfigurationError, match="at most"), effects(conn, ttl=ttl):
                 pass
     with pytest.raises(ConfigurationError, match="not Engine"), effects(engine):  # type: ignore[arg-type]
         pass
     with pytest.raises(ConfigurationError, match=r"supports PostgreSQL .* and SQLite.*'mysql'"):
         for_dialect("mysql")
+
+
+# -- AUTOCOMMIT: the claim would commit before the work ---------------------------------------
+
+
+def test_autocommit_connection_is_refused_before_anything_is_written(
+    engine: sa.Engine, task: Running
+) -> None:
+    """The claim would commit on its own: a failed run's retry would not be first and skip
+    the work. Refused at once, whichever way AUTOCOMMIT was asked for."""
+    auto = sa.create_engine(engine.url, isolation_level="AUTOCOMMIT")
+    try:
+        with engine.connect() as plain:
+            options = plain.execution_options(isolation_level="AUTOCOMMIT")
+            with pytest.raises(ConfigurationError, match="AUTOCOMMIT"), effects(options):
+                pass
+        with auto.connect() as conn:
+            with pytest.raises(ConfigurationError, match="AUTOCOMMIT"), effects(conn):
+                pass
+        with Session(auto) as session:
+            with pytest.raises(ConfigurationError, match="AUTOCOMMIT"), effects(session):
+                pass
+        with engine.connect() as plain:
+            bound = plain.execution_options(isolation_level="AUTOCOMMIT")
+            with Session(bind=bound) as session:
+                with pytest.raises(ConfigurationError, match="AUTOCOMMIT"), effects(session):
+                    pass
+    finally:
+        auto.dispose()
+    assert rows(engine) == []
+    # an explicit other isolation level on the same engine is fine
+    with engine.connect() as plain:
+        level = "SERIALIZABLE"
+        with plain.execution_options(isolation_level=level).begin() as conn_tx:
+            assert conn_tx.is_active
+            with effects(plain) as fx:
+                assert fx.first
+    assert len(rows(engine)) == 1
+
+
+# -- the row's lifetime against the broker's redelivery delay -------------------------------
+
+
+def test_a_row_shorter_than_the_redelivery_delay_warns_once_per_task(
+    engine: sa.Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    name = f"payments.warn_{uuid.uuid4().hex[:6]}"
+
+    def run(task_name: str, redelivery: float | None, **kw: Any) -> None:
+        now = Running(task_name, f"tid-{uuid.uuid4().hex[:6]}",
+                      f"taskdedup:{task_name}:{uuid.uuid4().hex}", 600.0, redelivery=redelivery)
+        token = running.enter(now)
+        try:
+            with engine.begin() as conn, effects(conn, **kw):
+                pass
+        finally:
+            running.leave(token)
+
+    def warnings() -> list[logging.LogRecord]:
+        return [r for r in caplog.records
+                if r.levelno == logging.WARNING and r.name == "taskdedup"]
+
+    caplog.set_level(logging.WARNING, logger="taskdedup")
+    run(name, 3660.0)  # the default 7 days outlive visibility_timeout 3600 s + lease 60 s
+    run(name, None)  # a broker that does not redeliver by time
+    run(name, 3660.0, ttl=3660)
+    assert warnings() == []
+    run(name, 3660.0, ttl=600)
+    (warned,) = warnings()
+    message = warned.getMessage()
+    assert name in message and "600" in message and "3660" in message
+    assert "ttl" in message
+    run(name, 3660.0, ttl=60)  # once per process and task
+    run(name, 3660.0, ttl=600)
+    assert len(warnings()) == 1
+    run(name + "_other", 3660.0, ttl=600)
+    assert len(warnings()) == 2
 
 
 # -- expiry and prune ------------------------------------------------------------------------
@@ -232,7 +337,7 @@ def test_a_row_past_its_expiry_no_longer_counts_and_is_taken_over(
         running.leave(token)
     (row,) = rows(engine)  # the same row, taken over: new owner, new window, no old result
     assert (row.task_id, row.result) == ("tid-later", None)
-    assert _aware(row.expires) - _aware(row.created) == timedelta(seconds=task.ttl)
+    assert _aware(row.expires) - _aware(row.created) == timedelta(seconds=DEFAULT_TTL)
 
 
 def test_prune_deletes_expired_rows_in_batches_and_keeps_live_ones(engine: sa.Engine) -> None:

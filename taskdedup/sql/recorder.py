@@ -8,6 +8,7 @@ dialect sends and how a concurrent run of the same identity waits.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
@@ -18,14 +19,25 @@ from sqlalchemy.orm import Session
 
 from .. import running
 from ..exceptions import ConfigurationError, TaskDedupError
+from ..policy import duration_seconds
 from .statements import READ, SET_RESULT, for_dialect
 
 __all__ = ["DEFAULT_TTL", "Effects", "effects"]
 
-DEFAULT_TTL: Final = 86_400.0
-"""Seconds a row counts when ``key`` is given outside a task and ``ttl`` is not (24 hours,
-as long as payment providers keep an idempotency key). Inside a task the default is the
-policy's window."""
+DEFAULT_TTL: Final = 7 * 24 * 3600.0
+"""Seconds a row counts when ``ttl`` is not given: 7 days, in a task or outside one.
+
+The row is the authority after the Redis window has gone: it must outlive every redelivery
+of the task's message, whatever the policy's ``ttl`` (kombu's Redis transport hands an unacked
+message out again after ``visibility_timeout``, an hour by default, and a broker outage or a
+stopped worker can hold a message much longer), and a payment provider's retries of one
+webhook (Stripe: up to 3 days). Rows past it are taken over, and removed by ``taskdedup sql
+prune``."""
+
+logger = logging.getLogger("taskdedup")
+
+_WARNED: set[str] = set()
+"""Tasks already warned about a row shorter than their redelivery delay (once per process)."""
 
 
 class Effects:
@@ -65,8 +77,14 @@ class Effects:
                 "a later run reads it and cannot replace it"
             )
         try:
-            json.dumps(value)
-        except (TypeError, ValueError) as exc:
+            json.dumps(value, allow_nan=False)
+        except ValueError:  # NaN or ±Infinity somewhere inside: not JSON, PostgreSQL refuses
+            raise ValueError(
+                f"fx.result of {self.key} must be strict JSON: NaN and Infinity are not JSON "
+                "numbers (PostgreSQL would fail the whole transaction); store None or a "
+                "string instead"
+            ) from None
+        except TypeError as exc:
             raise TypeError(f"fx.result must be JSON-serializable: {exc}") from None
         self._result = value
         self._result_set = True
@@ -75,21 +93,43 @@ class Effects:
         return f"Effects(key={self.key!r}, first={self.first}, task_id={self.task_id!r})"
 
 
-def _seconds(ttl: float | timedelta) -> float:
-    seconds = ttl.total_seconds() if isinstance(ttl, timedelta) else float(ttl)
-    if not seconds > 0:
-        raise ConfigurationError(f"effects(ttl=...) must be positive seconds, got {ttl!r}")
-    return seconds
-
-
-def _dialect_name(conn: Any) -> str:
+def _connection(conn: Any) -> sa.Connection:
+    """The Connection that ``conn`` (a Connection or a Session) runs its statements on."""
     if isinstance(conn, sa.Connection):
-        return str(conn.dialect.name)
+        return conn
     if isinstance(conn, Session):
-        return str(conn.get_bind().dialect.name)
+        return conn.connection()
     raise ConfigurationError(
         "effects(conn) takes the SQLAlchemy Connection or ORM Session of the task's own "
         f"transaction (e.g. `with engine.begin() as conn`), not {type(conn).__name__}"
+    )
+
+
+def _autocommit(conn: sa.Connection) -> bool:
+    """True when ``conn`` commits each statement on its own: ``isolation_level="AUTOCOMMIT"``
+    in its execution options, or given to ``create_engine`` (the dialect's on-connect level,
+    which SQLAlchemy 2 keeps as ``_on_connect_isolation_level``)."""
+    level = conn.get_execution_options().get("isolation_level")
+    if level is None:
+        dialect = conn.dialect
+        level = getattr(dialect, "_on_connect_isolation_level", None) or getattr(
+            dialect, "isolation_level", None)
+    return level == "AUTOCOMMIT"
+
+
+def _warn_if_short(now_running: running.Running | None, seconds: float) -> None:
+    """Warn once per task when its rows expire before its broker may redeliver it."""
+    if now_running is None or now_running.redelivery is None:
+        return
+    if seconds >= now_running.redelivery or now_running.task in _WARNED:
+        return
+    _WARNED.add(now_running.task)
+    logger.warning(
+        "taskdedup: effects() rows of %s live %.0fs (ttl), less than the %.0fs its broker may "
+        "take to redeliver its message (visibility_timeout + lease): a redelivery after the "
+        "row expired would do the work again; give effects(ttl=...) at least %.0f, or leave "
+        "the default (%.0fs)", now_running.task, seconds, now_running.redelivery,
+        now_running.redelivery, DEFAULT_TTL,
     )
 
 
@@ -105,11 +145,15 @@ def effects(
             transaction: the row commits with the task's writes or not at all.
         key: the identity; default the running task's (Celery or RQ: the key its message
             carried). Outside a task it is required.
-        ttl: seconds (or timedelta) the row counts; default the running task's policy window,
-            else :data:`DEFAULT_TTL`. A row past its expiry is taken over by the next run.
+        ttl: seconds (or timedelta) the row counts; default :data:`DEFAULT_TTL` (7 days,
+            not the policy's Redis window: the row must outlive every redelivery). A row past
+            its expiry is taken over by the next run. Shorter than the running task's
+            redelivery delay, it warns once per task.
 
     Raises:
-        ConfigurationError: no ``key`` outside a task; an unsupported connection or dialect.
+        ConfigurationError: no ``key`` outside a task; an unsupported connection or dialect;
+            an ``AUTOCOMMIT`` connection (the row would commit before the work); a ``ttl``
+            that is not positive, finite and at most 100 years.
     """
     now_running = running.current()
     if key is None:
@@ -119,11 +163,17 @@ def effects(
                 "running in this context to take the identity from"
             )
         key = now_running.key
-    if ttl is None:
-        seconds = now_running.ttl if now_running is not None else DEFAULT_TTL
-    else:
-        seconds = _seconds(ttl)
-    statements = for_dialect(_dialect_name(conn))
+    seconds = DEFAULT_TTL if ttl is None else duration_seconds("effects(ttl=...)", ttl)
+    connection = _connection(conn)
+    if _autocommit(connection):
+        raise ConfigurationError(
+            "effects(conn) needs the task's own transaction, but this connection is "
+            "AUTOCOMMIT: the row would commit before the work, and a failed run's retry would "
+            "skip it. Use `with engine.begin() as conn` on an engine without "
+            "isolation_level='AUTOCOMMIT'"
+        )
+    statements = for_dialect(str(connection.dialect.name))
+    _warn_if_short(now_running, seconds)
     task_id = now_running.task_id if now_running is not None else None
     now = datetime.now(UTC)
     params = {"b_key": key, "b_task_id": task_id, "b_now": now,
