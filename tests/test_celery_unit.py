@@ -679,3 +679,14 @@ def test_a_countdown_beyond_the_visibility_timeout_warns_once_per_task(
         remind.apply_async((3,), countdown=3600)
     said = [r.getMessage() for r in caplog.records if "visibility_timeout" in r.getMessage()]
     assert len(said) == 1 and remind.name in said[0] and "30s" in said[0], said
+
+
+def test_a_countdown_of_centuries_reserves_no_longer_than_redis_can_store(
+    eager_app: Celery,
+) -> None:
+    """SPEC §8: durations are capped at what Redis can store; a huge countdown made the
+    reservation's PX overflow (every later call then failed as "store unavailable")."""
+    from taskdedup.celery.task import _reservation_ttl_ms
+    from taskdedup.policy import MAX_DURATION_MS
+
+    assert _reservation_ttl_ms(Policy(), {"countdown": 1e15}) == MAX_DURATION_MS

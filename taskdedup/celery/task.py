@@ -27,7 +27,7 @@ from .. import running
 from ..core import Identity, Verdict, resolve_duplicate, skipped_of, skipped_value
 from ..events import logger
 from ..exceptions import ConfigurationError, DuplicateTaskError, StoreUnavailableError
-from ..policy import OnDuplicate, Policy, is_disabled
+from ..policy import MAX_DURATION_MS, OnDuplicate, Policy, is_disabled
 from ..running import Running
 from ..stores.base import LockState
 from ..stores.redis import may_have_run, refused
@@ -604,7 +604,7 @@ def _reservation_ttl_ms(
         expires_in = (_aware(expires) - now).total_seconds()
     if expires_in is not None:  # expired messages are discarded by the worker
         ttl_ms = min(ttl_ms, max(0, int(expires_in * 1000)) + 1000)
-    return max(1, ttl_ms)
+    return max(1, min(ttl_ms, MAX_DURATION_MS))  # a countdown of centuries: Redis's limit
 
 
 _WARNED_DELAYS: set[str] = set()

@@ -32,7 +32,7 @@ from ..core import (
 )
 from ..events import logger
 from ..exceptions import ConfigurationError, DuplicateTaskError, StoreUnavailableError
-from ..policy import OnDuplicate, Policy, PolicyLike, is_disabled
+from ..policy import MAX_DURATION_MS, OnDuplicate, Policy, PolicyLike, is_disabled
 from ..running import Running
 from ..stores.base import LockState, Store
 from ..stores.redis import RedisStore, may_have_run, reserve_and_run
@@ -428,7 +428,7 @@ class DedupQueue(Queue):
             ttl_ms += int(delay_seconds(when) * 1000)
         if isinstance(job_ttl, (int, float)) and not isinstance(job_ttl, bool) and job_ttl > 0:
             ttl_ms = min(ttl_ms, int(job_ttl * 1000) + 1000)
-        return max(1, ttl_ms)
+        return max(1, min(ttl_ms, MAX_DURATION_MS))
 
     # -- synchronous queues (is_async=False) -----------------------------------------------
 

@@ -19,7 +19,7 @@ from .. import running, stats
 from ..core import Deduplicator, GateResult, Identity, Verdict
 from ..events import logger
 from ..exceptions import ConfigurationError, StoreUnavailableError, TaskDedupError
-from ..policy import Mode
+from ..policy import MAX_DURATION_MS, Mode
 from ..running import Running
 from ..stores.base import Store
 from ..stores.redis import refused
@@ -337,7 +337,7 @@ class DedupWorker(Worker):
             dedup.release(guard.name, guard.key, job.id, reason="retry")
             return
         dedup.stop_heartbeat(guard.key, job.id)
-        ttl_ms = guard.policy.ttl_ms + int(interval * 1000)
+        ttl_ms = min(guard.policy.ttl_ms + int(interval * 1000), MAX_DURATION_MS)
         try:
             result = dedup.gate(guard.name, guard.policy, Identity(guard.key), job.id,
                                 ttl_ms=ttl_ms)
