@@ -233,7 +233,7 @@ def _spend(walk: _Walk, size: int) -> None:
 def _seen(value: Any, out: list[bytes], depth: int) -> _Walk | None:
     """The walk to record ``value`` in; None when ``value`` was encoded before at ``depth`` or
     deeper (so its nesting fits here too) and its bytes have just been appended again."""
-    walk = _WALKS.get(id(out)) or _walk(out)
+    walk = _walk(out)
     done = walk.get(id(value))
     if done is None or depth > done[-1]:
         return walk

@@ -19,6 +19,7 @@ import resource
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from typing import Any
 
@@ -309,4 +310,25 @@ def test_no_call_leaves_its_memory_behind(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(identity, "MAX_SHARED_BYTES", 10)
     with pytest.raises(TypeError, match="MAX_SHARED_BYTES"):
         fingerprint("t", ([shared, shared],))
+    assert identity._WALKS == {}
+
+
+def test_threads_never_see_each_others_memory() -> None:
+    """Each call's memory is its own: calls on shared values from many threads agree."""
+    values = [shapes()[index] for index in (0, 1, 2, 3, 7, 9)]
+    expected = [fingerprint("t", (v, v)) for v in values]
+    failures: list[str] = []
+
+    def hammer() -> None:
+        for _ in range(100):
+            for v, want in zip(values, expected, strict=True):
+                if fingerprint("t", (v, v)) != want:
+                    failures.append("differs")
+
+    threads = [threading.Thread(target=hammer) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not failures and not any(t.is_alive() for t in threads)
     assert identity._WALKS == {}
