@@ -231,6 +231,21 @@ def slow_once_expiring(label: str, seconds: float = 1.0) -> str:
     return label
 
 
+@app.task(base=DedupTask, dedup=Policy(mode="until_executed", ttl=60, lease=6),
+          track_started=True)
+def slow_once_tracked(label: str, seconds: float = 1.0) -> str:
+    """slow_once with task_track_started: no copy may write STARTED over its SUCCESS."""
+    effect(label, os.getpid())
+    time.sleep(seconds)
+    return label
+
+
+@app.task(base=DedupTask, dedup=Policy(ttl=60), track_started=True)
+def record_tracked(label: str, n: int = 0) -> str:
+    effect(label, n)
+    return f"{label}:{n}"
+
+
 @app.task(base=DedupTask, dedup=Policy(ttl=60))
 def report_identity(label: str) -> str:
     """Records the identity this execution runs under (taskdedup.running)."""

@@ -97,7 +97,7 @@ def quiet_for(rc: redis.Redis, capp: Any, seconds: float) -> Any:
     return check
 
 
-@pytest.mark.parametrize("task_name", ["slow_once", "slow_once_expiring"])
+@pytest.mark.parametrize("task_name", ["slow_once", "slow_once_expiring", "slow_once_tracked"])
 def test_a_countdown_beyond_the_visibility_timeout_runs_once_across_two_workers(
     capp: Any, rc: redis.Redis, workers: list[CeleryWorker], task_name: str
 ) -> None:
@@ -122,24 +122,27 @@ def test_a_countdown_beyond_the_visibility_timeout_runs_once_across_two_workers(
         "already succeeded: this redelivered copy ends" in output), output[-3000:]
 
 
+@pytest.mark.parametrize("task_name", ["record", "record_tracked"])
 def test_a_redelivery_after_success_ends_without_a_new_outcome(
-    capp: Any, rc: redis.Redis, workers: list[CeleryWorker]
+    capp: Any, rc: redis.Redis, workers: list[CeleryWorker], task_name: str
 ) -> None:
     """SPEC §5 / #19 A4: the message of a step that succeeded comes back (a worker killed
     after the body, before the ack) with its callbacks: it ends without a new outcome — its
-    result stays the first run's, the next step is not sent again, no errback runs."""
+    result stays the first run's (with task_track_started too: STARTED is written only by an
+    execution that runs), the next step is not sent again, no errback runs."""
     name = label()
-    first = capp.record.apply_async((name,))
+    task = getattr(capp, task_name)
+    first = task.apply_async((name,))
     assert first.get(timeout=30) == f"{name}:0"
-    key = key_of(capp, capp.record, name)
+    key = key_of(capp, task, name)
     # task_success (the completion) follows the result's write: wait for the done lock
     wait_for(lambda: rc.get(key) == f"D||{first.id}".encode(), timeout=10, what="done")
     seen = logs(workers).count("already succeeded: this redelivered copy ends")
     # The very message again, as kombu restores it: same id, same header, with a chain's
     # next step and an errback attached.
     capp.app.send_task(
-        capp.record.name, (name,), task_id=first.id,
-        headers={HEADER: {"task": capp.record.name, "key": key}},
+        task.name, (name,), task_id=first.id,
+        headers={HEADER: {"task": task.name, "key": key}},
         link=capp.plain.si(f"{name}-next"), link_error=capp.plain.si(f"{name}-errback"),
     )
     wait_for(lambda: logs(workers).count("already succeeded: this redelivered copy ends")

@@ -18,7 +18,7 @@ from celery import signals
 from .. import running, stats
 from ..policy import Mode
 from . import _compat, claims
-from ._message import HEADER, RUNNING_ATTR, SKIPPED, SNAPSHOT_ATTR, STATE_ATTR, request_header
+from ._message import HEADER, RUNNING_ATTR, SKIPPED, STATE_ATTR, request_header
 from .config import get_deduplicator, say_publish_path
 from .task import DedupTask
 
@@ -107,24 +107,6 @@ def _on_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
         get_deduplicator(task.app).release(task.name, key, task_id, reason="revoked")
 
 
-def _on_prerun(sender: Any = None, task_id: str | None = None, **_: Any) -> None:
-    """A redelivered message of a task that tracks STARTED: read its stored state before the
-    tracer overwrites it, so a copy of a call that already succeeded can put the SUCCESS
-    back (``DedupTask._restore_success``). One backend read, redelivered messages only."""
-    task = _dedup_task(sender)
-    if task is None or not task.track_started or task.ignore_result:
-        return
-    request = task.request
-    if not (request.delivery_info or {}).get("redelivered"):
-        return
-    try:
-        meta = task.backend.get_task_meta(task_id)
-    except Exception:  # the backend is down: nothing to put back
-        return
-    if meta.get("status") == "SUCCESS":
-        setattr(request, SNAPSHOT_ATTR, meta)
-
-
 def _on_postrun(sender: Any = None, task_id: str | None = None, state: str | None = None,
                 **_: Any) -> None:
     task = _dedup_task(sender)
@@ -198,8 +180,8 @@ signals.task_retry.connect(_on_retry, weak=False)
 signals.task_revoked.connect(_on_revoked, weak=False)
 signals.task_internal_error.connect(_on_internal_error, weak=False)
 signals.task_received.connect(lambda request=None, **_: claims.receive(request), weak=False)
-signals.task_prerun.connect(_on_prerun, weak=False)
 signals.task_postrun.connect(_on_postrun, weak=False)
+
 
 
 def _on_worker_setup(sender: Any = None, instance: Any = None, **_: Any) -> None:

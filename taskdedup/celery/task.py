@@ -12,6 +12,7 @@ of a duplicate with :class:`DuplicateExecution` (an ``Ignore``); the signal hand
 from __future__ import annotations
 
 import inspect
+import os
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -37,7 +38,6 @@ from ._message import (
     RUNNING_ATTR,
     SKIP_ATTR,
     SKIPPED,
-    SNAPSHOT_ATTR,
     STATE_ATTR,
     TRACED_ATTR,
     carried_key,
@@ -86,6 +86,7 @@ class DedupTask(Task):  # type: ignore[misc]
     _dedup_policy: Policy | None = Policy()
     _dedup_duplicate_rate: float = 0.0
     _dedup_func: Callable[..., Any] | None = None
+    _dedup_track_started: bool = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -108,6 +109,12 @@ class DedupTask(Task):  # type: ignore[misc]
         super().on_bound(app)
         if cls._dedup_policy is not None and app.configured:
             fuses(app)
+        if cls._dedup_policy is not None and cls.track_started:
+            # Celery's tracer writes STARTED before before_start: a copy of a message that
+            # already succeeded (or is running) would overwrite the id's SUCCESS. The claim
+            # writes it instead, once it knows this execution runs (_track_started).
+            cls.track_started = False
+            cls._dedup_track_started = True
 
     # -- enqueue gate ---------------------------------------------------------------------
 
@@ -436,7 +443,6 @@ class DedupTask(Task):  # type: ignore[misc]
             raise self._defer(policy)
         if verdict is Verdict.FINISHED:
             setattr(request, STATE_ATTR, SKIPPED)
-            self._restore_success(request)
             raise Ignore()  # acked: no result, no event, no callbacks, nothing propagated
         if verdict is Verdict.DUPLICATE:
             self._skip(request, key, result.existing_id, result.state, workflow=False)
@@ -444,18 +450,20 @@ class DedupTask(Task):  # type: ignore[misc]
         if verdict is Verdict.ACCEPTED and policy.mode.gates_execution:
             setattr(request, STATE_ATTR, key)
             claims.record(task_id, self.name, key)
+        if self._dedup_track_started and not request.is_eager:
+            self._track_started(request)
         # left in task_postrun, which restores the identity of an enclosing execution
         setattr(request, RUNNING_ATTR, running.enter(Running(
             self.name, task_id, key, policy.ttl, redelivery=self._redelivery(policy))))
 
-    def _restore_success(self, request: Any) -> None:
-        """With ``task_track_started`` the tracer wrote STARTED over the first run's SUCCESS
-        before ``before_start``; put back what ``task_prerun`` read (a redelivered message
-        only), so the id's result stays the first run's."""
-        meta = request.__dict__.pop(SNAPSHOT_ATTR, None)
-        if meta is not None:
-            self.backend.store_result(request.id, meta.get("result"), states.SUCCESS,
-                                      request=request)
+    def _track_started(self, request: Any) -> None:
+        """STARTED in the result backend, as Celery's ``task_track_started`` writes it, but
+        only for an execution that runs (see ``on_bound``)."""
+        if self.ignore_result or request.__dict__.get("ignore_result"):
+            return
+        self.backend.store_result(
+            request.id, {"pid": os.getpid(), "hostname": request.hostname}, states.STARTED,
+            request=request)
 
     def _carried(
         self, dedup: Any, policy: Policy, raw: Any, task_id: str
