@@ -216,7 +216,7 @@ def lenient(label: str) -> str:
     return label
 
 
-@app.task(base=DedupTask, dedup=Policy(mode="until_executed", ttl=60, lease=6))
+@app.task(base=DedupTask, dedup=Policy(mode="until_executed", ttl=60, lease=20))
 def slow_once(label: str, seconds: float = 1.0) -> str:
     """A body that takes a while: copies of its message claim while it runs."""
     effect(label, os.getpid())
@@ -224,14 +224,14 @@ def slow_once(label: str, seconds: float = 1.0) -> str:
     return label
 
 
-@app.task(base=DedupTask, dedup=Policy(ttl=60, lease=6))
+@app.task(base=DedupTask, dedup=Policy(ttl=60, lease=20))
 def slow_once_expiring(label: str, seconds: float = 1.0) -> str:
     effect(label, os.getpid())
     time.sleep(seconds)
     return label
 
 
-@app.task(base=DedupTask, dedup=Policy(mode="until_executed", ttl=60, lease=6),
+@app.task(base=DedupTask, dedup=Policy(mode="until_executed", ttl=60, lease=20),
           track_started=True)
 def slow_once_tracked(label: str, seconds: float = 1.0) -> str:
     """slow_once with task_track_started: no copy may write STARTED over its SUCCESS."""
