@@ -204,6 +204,44 @@ def retry_later(self: DedupTask, key: str) -> str:
     return key
 
 
+# -- the copies soak (tests/test_soak_copies.py) --------------------------------------------
+# A killed body's lock lapses within the lease; a finished until_executed call's tombstone
+# outlives the visibility timeout plus kombu's restore interval, so a copy restored from a
+# killed worker still finds it (SPEC §5: the tombstone lives one lease).
+SOAK_WINDOW = Policy(mode="until_expired", ttl=600, lease=3)
+SOAK_ONCE = Policy(mode="until_executed", ttl=600, lease=6)
+
+
+def _soak(task: DedupTask, key: str, seconds: float) -> str:
+    """Record ``start``/``end`` with this execution's id, process group and pid."""
+    tag = f"{task.request.id} {os.getpgrp()} {os.getpid()}"
+    r().rpush(f"soak:{key}", f"start {tag}")
+    time.sleep(seconds)
+    r().rpush(f"soak:{key}", f"end {tag}")
+    return key
+
+
+@app.task(base=DedupTask, dedup=SOAK_WINDOW, bind=True, reject_on_worker_lost=True,
+          name="model.soak_window")
+def soak_window(self: DedupTask, key: str, seconds: float) -> str:
+    return _soak(self, key, seconds)
+
+
+@app.task(base=DedupTask, dedup=SOAK_ONCE, bind=True, reject_on_worker_lost=True,
+          name="model.soak_once")
+def soak_once(self: DedupTask, key: str, seconds: float) -> str:
+    return _soak(self, key, seconds)
+
+
+@signals.task_success.connect
+def _completed(sender: Any = None, result: Any = None, **_: object) -> None:
+    """A soak body's success, after taskdedup's own ``task_success`` receiver (connected
+    first) completed its lock: a body killed before this line may run again, at least once."""
+    if getattr(sender, "name", "") in ("model.soak_window", "model.soak_once"):
+        r().rpush(f"soak:{result}", f"completed {sender.request.id} {os.getpgrp()} "
+                                    f"{os.getpid()}")
+
+
 @signals.task_postrun.connect
 def _done(task_id: str | None = None, state: str | None = None, **_: object) -> None:
     """Every execution's end, by task id: the test waits for the ids it sent."""
