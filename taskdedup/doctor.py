@@ -145,14 +145,8 @@ def _commands_check(client: Any, prefix: str) -> Finding:
         "hincrby": ("HINCRBY", key, "probe", 1), "hgetall": ("HGETALL", key),
         "scan": ("SCAN", 0, "MATCH", glob_escape(key), "COUNT", 10),
     }
-    pipe = client.pipeline(transaction=False)
-    for command in probes.values():
-        pipe.execute_command(*command)
-    pipe.delete(key)
-    replies = dict(zip(probes, pipe.execute(raise_on_error=False), strict=False))
-    denied = [name for name, reply in replies.items() if isinstance(reply, NoPermissionError)]
-    other = [f"{name}: {reply}" for name, reply in replies.items()
-             if isinstance(reply, RedisError) and not isinstance(reply, NoPermissionError)]
+    denied, failed = _probe(client, key, probes)
+    other = [f"{name}: {reply}" for name, reply in failed]
     try:
         atomic = client.pipeline(transaction=True)
         atomic.get(key)
@@ -176,6 +170,22 @@ def _commands_check(client: Any, prefix: str) -> Finding:
                    "clock are permitted (" + " ".join(sorted(probes)) + " multi exec)")
 
 
+def _probe(
+    client: Any, key: str, probes: dict[str, tuple[Any, ...]]
+) -> tuple[list[str], list[tuple[str, RedisError]]]:
+    """Run each probe (one pipeline, then ``key`` deleted): the names the user may not run,
+    and the other errors by name."""
+    pipe = client.pipeline(transaction=False)
+    for command in probes.values():
+        pipe.execute_command(*command)
+    pipe.delete(key)
+    replies = dict(zip(probes, pipe.execute(raise_on_error=False), strict=False))
+    denied = [name for name, reply in replies.items() if isinstance(reply, NoPermissionError)]
+    failed = [(name, reply) for name, reply in replies.items()
+              if isinstance(reply, RedisError) and not isinstance(reply, NoPermissionError)]
+    return denied, failed
+
+
 def _window_check(client: Any, prefix: str) -> Finding:
     """What an approximate window needs beyond a lock's commands: its scripts read and write
     the slice bitmaps (a script's commands are checked against the user's ACL like any
@@ -189,14 +199,8 @@ def _window_check(client: Any, prefix: str) -> Finding:
         "bitcount": ("BITCOUNT", key),
         "strlen": ("STRLEN", key),
     }
-    pipe = client.pipeline(transaction=False)
-    for command in probes.values():
-        pipe.execute_command(*command)
-    pipe.delete(key)
-    replies = dict(zip(probes, pipe.execute(raise_on_error=False), strict=False))
-    denied = [name for name, reply in replies.items() if isinstance(reply, NoPermissionError)]
-    other = [reply for reply in replies.values()
-             if isinstance(reply, RedisError) and not isinstance(reply, NoPermissionError)]
+    denied, failed = _probe(client, key, probes)
+    other = [reply for _, reply in failed]
     if not denied and not other:
         return Finding("windows", True, "approximate windows' bitmap commands are permitted")
     problem = (f"this user may not run {', '.join(denied)}" if denied
