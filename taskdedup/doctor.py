@@ -18,8 +18,10 @@ from typing import Any
 
 from redis.exceptions import NoPermissionError, RedisError, ResponseError
 
+from .events import Event
 from .exceptions import StoreUnavailableError
-from .locks import glob_escape
+from .locks import glob_escape, scan_keys
+from .stats import stats_key
 from .stores.redis import RedisStore
 from .stores.server import EVICTION_FIX, eviction_problem, read_facts
 
@@ -50,7 +52,8 @@ def diagnose(client: Any, prefix: str) -> list[Finding]:
     """
     client.ping()
     return [*_server_checks(client), _script_check(client), _prefix_check(client, prefix),
-            _commands_check(client, prefix), _window_check(client, prefix)]
+            _commands_check(client, prefix), _window_check(client, prefix),
+            _copies_check(client, prefix)]
 
 
 def _server_checks(client: Any) -> list[Finding]:
@@ -211,6 +214,40 @@ def _window_check(client: Any, prefix: str) -> Finding:
                        "fail (their calls follow on_store_error)", fix)
     return Finding("windows", True, f"{problem}; no approximate window is in use under "
                    f"{prefix}:* (needed only if you add one)", fix)
+
+
+def _copies_check(client: Any, prefix: str) -> Finding:
+    """Whether workers have met copies of one message (the ``deferred`` counts they flush):
+    kombu's Redis transport hands out a copy of a held ETA/countdown message every
+    ``visibility_timeout``, so a countdown beyond it is at work (SPEC §5). taskdedup runs one
+    copy, but each costs a delivery, and a copy that waits more than a lease for a worker
+    process after the first finished runs again in ``until_executed`` mode."""
+    counts: dict[str, int] = {}
+    stats_prefix = stats_key(prefix, "")
+    try:
+        keys = list(scan_keys(client, glob_escape(stats_prefix) + "*"))
+        pipe = client.pipeline(transaction=False)
+        for key in keys:
+            pipe.hget(key, Event.DEFERRED.value)
+        for key, value in zip(keys, pipe.execute(raise_on_error=False), strict=True):
+            try:
+                counts[key[len(stats_prefix):]] = int(value)
+            except (TypeError, ValueError):  # absent, or an odd field someone else wrote
+                continue
+    except (RedisError, UnicodeError) as exc:
+        return Finding("copies", True, f"cannot read the workers' counts ({exc})")
+    copied = {task: n for task, n in counts.items() if n > 0}
+    if not copied:
+        return Finding("copies", True, "no worker has met a copy of a message it was running")
+    worst = sorted(copied.items(), key=lambda item: -item[1])[:5]
+    return Finding(
+        "copies", False,
+        "workers put off copies of messages that were running: "
+        + ", ".join(f"{task} ({n})" for task, n in worst)
+        + " — a countdown/ETA beyond the broker's visibility_timeout (kombu hands out a copy "
+        "every visibility_timeout while a worker holds the message)",
+        "raise broker_transport_options['visibility_timeout'] above your longest countdown "
+        "(taskdedup runs one copy; the others cost deliveries)")
 
 
 def _windows_in_use(client: Any, prefix: str) -> bool:

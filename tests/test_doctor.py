@@ -57,7 +57,7 @@ def test_doctor_passes_on_a_server_that_never_evicts(own: redis.Redis,
     code, checks = doctor(own_server.url)
     assert code == 0
     assert set(checks) == {"server", "eviction", "cluster", "scripts", "acl", "commands",
-                           "windows"}
+                           "windows", "copies"}
     assert all(c["ok"] for c in checks.values())
     assert own.keys("taskdedup:doctor:*") == []  # the probe lock was released
     assert own.keys("taskdedup:bloom:*") == []  # and the probe bitmap deleted
@@ -186,3 +186,19 @@ def test_doctor_names_the_window_commands_a_user_lacks_a_problem_only_where_wind
     assert own.keys("taskdedup:bloom:doctor:*") == []  # the probe bitmap never stays
     code, checks = doctor(own_server.url)  # the default user may run them all
     assert code == 0 and "permitted" in str(checks["windows"]["detail"])
+
+
+def test_doctor_reports_copies_of_running_messages_the_workers_put_off(
+    own: redis.Redis, own_server: RedisServer
+) -> None:
+    """#19 A1: where it can tell — the workers' flushed counts show copies put off (kombu
+    restores held ETA messages every visibility_timeout): a problem naming the task and the
+    fix. An odd field written by someone else is ignored."""
+    own.hset("taskdedup:stats:app.remind", mapping={"deferred": 7, "claimed": 3})
+    own.hset("taskdedup:stats:app.other", mapping={"deferred": "not a number"})
+    code, checks = doctor(own_server.url)
+    assert code == 1
+    copies = checks["copies"]
+    assert not copies["ok"] and "app.remind (7)" in str(copies["detail"])
+    assert "app.other" not in str(copies["detail"])
+    assert "visibility_timeout" in str(copies["fix"])
