@@ -45,7 +45,16 @@ def configure(url: str, queue: str) -> None:
     URL = url
     app.conf.update(broker_url=url, result_backend=url, taskdedup_url=url,
                     task_default_queue=queue)
-    app.__dict__.pop("_taskdedup", None)
+    # What the app built on the server it had (a module may point it at a server of its own,
+    # e.g. tests/test_acl.py): taskdedup's deduplicator, producer pool and cached choices,
+    # Celery's producer pool and this thread's result backend.
+    for name in [n for n in app.__dict__ if n.startswith("_taskdedup")]:
+        app.__dict__.pop(name, None)
+    if app._pool is not None:
+        app._pool.force_close_all()
+        app._pool = None
+    app.amqp._producer_pool = None
+    app._local.__dict__.pop("backend", None)
 
 
 @app.task(base=DedupTask, dedup=Policy(ttl=60))
