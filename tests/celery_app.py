@@ -50,9 +50,7 @@ def configure(url: str, queue: str) -> None:
     # Celery's producer pool and this thread's result backend.
     for name in [n for n in app.__dict__ if n.startswith("_taskdedup")]:
         app.__dict__.pop(name, None)
-    if app._pool is not None:
-        app._pool.force_close_all()
-        app._pool = None
+    app._pool = None  # not closed: kombu's registry may hand the same pool out again
     app.amqp._producer_pool = None
     app._local.__dict__.pop("backend", None)
 
