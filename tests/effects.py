@@ -15,15 +15,16 @@ import time
 import redis
 
 _client: redis.Redis | None = None
-_client_pid = 0
+_client_for: tuple[int, str] = (0, "")
 
 
 def r() -> redis.Redis:
-    """A client for this process (a new one after a fork)."""
-    global _client, _client_pid
-    if _client is None or _client_pid != os.getpid():
-        url = os.environ.get("TASKDEDUP_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-        _client, _client_pid = redis.Redis.from_url(url), os.getpid()
+    """A client for this process and ``TASKDEDUP_TEST_REDIS_URL`` (a new one after a fork, or
+    when a test module points the variable at a server of its own, e.g. tests/test_acl.py)."""
+    global _client, _client_for
+    url = os.environ.get("TASKDEDUP_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+    if _client is None or _client_for != (os.getpid(), url):
+        _client, _client_for = redis.Redis.from_url(url), (os.getpid(), url)
     return _client
 
 

@@ -138,6 +138,8 @@ def test_workers_the_stats_flush_and_the_operators_tools_run_with_the_documented
         rq.stop()
         if saved_env is not None:
             os.environ["TASKDEDUP_TEST_REDIS_URL"] = saved_env
+        else:  # configure() set it to this module's server, stopped after the module
+            os.environ.pop("TASKDEDUP_TEST_REDIS_URL", None)
         celery_app.app.__dict__.pop("_taskdedup", None)
 
     # an approximate window: its scripts' bitmaps and the server's clock
