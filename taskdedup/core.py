@@ -327,7 +327,7 @@ class Deduplicator:
         detail = "window" if existing is None and result.state is LockState.DONE else None
         self._emit(Event.DUPLICATE, name, key, owner, existing, detail, seconds)
         if existing is None and result.state is None:
-            self.foreign(name, key, owner, "enqueue")
+            self._foreign(name, key, owner, "enqueue")
         return GateResult(Verdict.DUPLICATE, existing, result.state)
 
     def _forget_reservation(self, key: str, owner: str) -> None:
@@ -383,7 +383,7 @@ class Deduplicator:
                         "without running again", name, owner)
             return StartResult(Verdict.FINISHED, owner, result.state)
         if result.state is None:
-            self.foreign(name, key, owner, "start")
+            self._foreign(name, key, owner, "start")
         else:
             logger.debug(
                 "taskdedup: skipped %s[%s]: identity %s is %s by %s",
@@ -391,7 +391,7 @@ class Deduplicator:
             )
         return StartResult(Verdict.DUPLICATE, result.owner, result.state)
 
-    def foreign(self, name: str, key: str, owner: str | None, where: str) -> None:
+    def _foreign(self, name: str, key: str, owner: str | None, where: str) -> None:
         """A lock key holds a value taskdedup did not write, and it blocked ``owner`` at
         ``where`` (enqueue or start): WARNING naming the key, counted (SPEC §8)."""
         self._emit(Event.FOREIGN, name, key, owner, detail=where)
