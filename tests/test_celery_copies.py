@@ -78,7 +78,7 @@ def restore_unacked(capp: Any) -> None:
     """What kombu's own timer does every visibility_timeout on 5.7 (older kombu looks only
     every ~100 s): put unacked messages past their visibility timeout back in their queue."""
     with capp.app.connection_for_write() as conn:
-        conn.default_channel.qos.restore_visible(num=100, interval=0)
+        conn.default_channel.qos.restore_visible(num=100, interval=1)
 
 
 def quiet_for(rc: redis.Redis, capp: Any, seconds: float) -> Any:
