@@ -34,7 +34,7 @@ from .stores.base import LockResult, LockState, Outcome, Store
 
 __all__ = [
     "Deduplicator", "GateCall", "GateResult", "Heartbeat", "Identity", "StartResult", "Verdict",
-    "resolve_duplicate",
+    "copy_wait", "resolve_duplicate",
 ]
 
 DEFAULT_PREFIX = "taskdedup"
@@ -539,6 +539,21 @@ class Deduplicator:
 
 _STATE_WORDS = {LockState.QUEUED: "queued", LockState.RUNNING: "running", LockState.DONE: "done",
                 LockState.FINISHED: "finished"}
+
+
+COPY_WAIT_MIN = 1.0
+"""Seconds: the shortest wait of a copy put off (SPEC §5)."""
+
+
+def copy_wait(policy: Policy, redelivery: float | None = None) -> float:
+    """How long a copy of a running message waits before it claims again: a quarter of the
+    lease (at least :data:`COPY_WAIT_MIN`), so a dead original's lapse is noticed soon; and
+    under half of ``redelivery`` (the broker's visibility timeout), so the broker does not
+    copy the waiting message once more (at least 0.1 s)."""
+    wait = max(COPY_WAIT_MIN, policy.lease / 4)
+    if redelivery is not None:
+        wait = max(0.1, min(wait, redelivery / 2))
+    return wait
 
 
 def window_probe(policy: Policy, key: str) -> Probe | None:

@@ -55,6 +55,14 @@ def configure(url: str, queue: str) -> None:
     app._local.__dict__.pop("backend", None)
 
 
+def lock_key(task: DedupTask, *args: object) -> str:
+    """The lock key the caller makes for ``task(*args)`` (what the message carries)."""
+    from taskdedup.celery import get_deduplicator
+
+    return get_deduplicator(app).identity(
+        task.name, task._dedup_policy, args, {}, func=task._func()).key
+
+
 @app.task(base=DedupTask, dedup=Policy(ttl=60))
 def record(label: str, n: int = 0) -> str:
     effect(label, n)

@@ -41,6 +41,11 @@ def wait_gate(label: str, timeout: float = 120.0) -> None:
         time.sleep(0.01)
 
 
+def recorded(client: redis.Redis, label: str) -> list[str]:
+    """What the bodies of ``label`` recorded (``effect``), in order."""
+    return [x.decode() for x in client.lrange(f"effects:{label}", 0, -1)]
+
+
 def released(client: redis.Redis, key: str) -> bool:
     """Whether lock ``key`` no longer holds its identity: absent, or the tombstone a success
     leaves for the owner's own copies (``F|...``, free to every other call: SPEC §5)."""

@@ -23,6 +23,7 @@ import redis
 
 from taskdedup.celery import HEADER
 from taskdedup.testing import wait_for
+from tests.effects import recorded
 from tests.workers import CeleryWorker
 
 pytestmark = pytest.mark.slow
@@ -46,28 +47,20 @@ def workers(redis_url: str) -> Iterator[list[CeleryWorker]]:
 
 
 @pytest.fixture(scope="module")
-def capp(redis_url: str, workers: list[CeleryWorker]) -> Any:
+def capp(redis_url: str, workers: list[CeleryWorker]) -> Iterator[Any]:
     from tests import celery_app
 
     celery_app.configure(redis_url, QUEUE)
-    celery_app.app.conf.broker_transport_options = {
-        **celery_app.app.conf.broker_transport_options, "visibility_timeout": VISIBILITY}
-    return celery_app
+    options = celery_app.app.conf.broker_transport_options
+    celery_app.app.conf.broker_transport_options = {**options, "visibility_timeout": VISIBILITY}
+    try:
+        yield celery_app
+    finally:  # the app is shared with the modules that follow
+        celery_app.app.conf.broker_transport_options = options
 
 
 def label() -> str:
     return uuid.uuid4().hex[:12]
-
-
-def effects(rc: redis.Redis, name: str) -> list[str]:
-    return [x.decode() for x in rc.lrange(f"effects:{name}", 0, -1)]
-
-
-def key_of(capp: Any, task: Any, *args: Any) -> str:
-    from taskdedup.celery import get_deduplicator
-
-    return get_deduplicator(capp.app).identity(
-        task.name, task._dedup_policy, args, {}, func=task._func()).key
 
 
 def logs(workers: list[CeleryWorker]) -> str:
@@ -119,7 +112,7 @@ def test_a_countdown_beyond_the_visibility_timeout_runs_once_across_two_workers(
         assert handle.get(timeout=60) == name
     wait_for(quiet_for(rc, capp, 3 * VISIBILITY), timeout=90, interval=0.3,
              what="every copy ended")
-    assert {name: len(effects(rc, name)) for name in names} == {name: 1 for name in names}
+    assert {name: len(recorded(rc, name)) for name in names} == {name: 1 for name in names}
     for handle, name in zip(sent, names, strict=True):
         assert (handle.state, handle.result) == ("SUCCESS", name)
     output = logs(workers)
@@ -140,7 +133,7 @@ def test_a_redelivery_after_success_ends_without_a_new_outcome(
     task = getattr(capp, task_name)
     first = task.apply_async((name,))
     assert first.get(timeout=30) == f"{name}:0"
-    key = key_of(capp, task, name)
+    key = capp.lock_key(task, name)
     # task_success (the completion) follows the result's write: wait for the done lock
     wait_for(lambda: rc.get(key) == f"D||{first.id}".encode(), timeout=10, what="done")
     seen = logs(workers).count("already succeeded: this redelivered copy ends")
@@ -152,12 +145,12 @@ def test_a_redelivery_after_success_ends_without_a_new_outcome(
         link=capp.plain.si(f"{name}-next"), link_error=capp.plain.si(f"{name}-errback"),
     )
     wait_for(lambda: logs(workers).count("already succeeded: this redelivered copy ends")
-             > seen or effects(rc, f"{name}-errback") or effects(rc, f"{name}-next")
+             > seen or recorded(rc, f"{name}-errback") or recorded(rc, f"{name}-next")
              or capp.app.AsyncResult(first.id).state != "SUCCESS",
              timeout=30, what="the redelivered copy ended")
     wait_for(quiet_for(rc, capp, 1.0), timeout=30, interval=0.2, what="nothing left to run")
-    assert effects(rc, name) == ["0"]
-    assert effects(rc, f"{name}-next") == [] and effects(rc, f"{name}-errback") == []
+    assert recorded(rc, name) == ["0"]
+    assert recorded(rc, f"{name}-next") == [] and recorded(rc, f"{name}-errback") == []
     again = capp.app.AsyncResult(first.id)
     assert (again.state, again.result) == ("SUCCESS", f"{name}:0")
     assert rc.get(key) == f"D||{first.id}".encode()  # the window is kept, not released
@@ -172,10 +165,10 @@ def test_an_execution_inside_an_execution_has_its_own_identity(
     call the caller's)."""
     name = label()
     assert capp.nests.delay(name).get(timeout=30) == name
-    outer = key_of(capp, capp.nests, name)
-    assert effects(rc, name) == [outer, outer]
-    applied = effects(rc, f"{name}-applied")
-    direct = effects(rc, f"{name}-direct")
-    assert applied == [key_of(capp, capp.report_identity, f"{name}-applied")]
-    assert direct == [key_of(capp, capp.report_identity, f"{name}-direct")]
+    outer = capp.lock_key(capp.nests, name)
+    assert recorded(rc, name) == [outer, outer]
+    applied = recorded(rc, f"{name}-applied")
+    direct = recorded(rc, f"{name}-direct")
+    assert applied == [capp.lock_key(capp.report_identity, f"{name}-applied")]
+    assert direct == [capp.lock_key(capp.report_identity, f"{name}-direct")]
     assert outer not in applied + direct

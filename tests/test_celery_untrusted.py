@@ -15,6 +15,7 @@ import redis
 
 from taskdedup.celery import HEADER, skipped_info
 from taskdedup.testing import wait_for
+from tests.effects import recorded
 from tests.workers import CeleryWorker
 
 pytestmark = pytest.mark.slow
@@ -43,17 +44,6 @@ def label() -> str:
     return uuid.uuid4().hex[:12]
 
 
-def effects(rc: redis.Redis, name: str) -> list[str]:
-    return [x.decode() for x in rc.lrange(f"effects:{name}", 0, -1)]
-
-
-def key_of(capp: Any, task: Any, *args: Any) -> str:
-    from taskdedup.celery import get_deduplicator
-
-    return get_deduplicator(capp.app).identity(
-        task.name, task._dedup_policy, args, {}, func=task._func()).key
-
-
 def send(capp: Any, task: Any, args: tuple[Any, ...], key: Any) -> Any:
     """The message a forger (or a broken client) publishes: by name, with a header of its own."""
     return capp.app.send_task(task.name, args, headers={HEADER: {"task": task.name, "key": key}})
@@ -66,17 +56,17 @@ def test_a_header_naming_another_tasks_lock_cannot_hijack_it(
     never ran. Now the forger's message runs under its own identity, and the victim's call
     runs."""
     name, victim_arg = label(), label()
-    victim_key = key_of(capp, capp.strict, victim_arg)
+    victim_key = capp.lock_key(capp.strict, victim_arg)
     forged = send(capp, capp.record, (name,), victim_key)
     assert forged.get(timeout=30) == f"{name}:0"
     assert not rc.exists(victim_key)
-    own = key_of(capp, capp.record, name)
+    own = capp.lock_key(capp.record, name)
     wait_for(lambda: rc.get(own) == f"D||{forged.id}".encode(), timeout=10,
              what="its own identity done")
     genuine = capp.strict.delay(victim_arg)
     assert genuine.id != forged.id
     assert genuine.get(timeout=30) == victim_arg
-    assert effects(rc, victim_arg) == ["1"]
+    assert recorded(rc, victim_arg) == ["1"]
     assert "carries a lock key in its 'taskdedup' header that this task would not make" in (
         worker.output())
 
@@ -90,13 +80,13 @@ def test_a_malformed_header_key_is_ignored_and_the_running_original_still_guards
     original. Now the identity is recomputed, so the copy is a skipped duplicate."""
     name = label()
     original = capp.gated.delay(name)
-    wait_for(lambda: effects(rc, name) == ["start"], timeout=30, what="the original runs")
+    wait_for(lambda: recorded(rc, name) == ["start"], timeout=30, what="the original runs")
     forged = send(capp, capp.gated, (name,), key)
     info = skipped_info(forged.get(timeout=30))
     assert info is not None and info["existing_id"] == original.id, forged.result
     rc.set(f"go:{name}", 1)
     assert original.get(timeout=30) == name
-    assert effects(rc, name) == ["start", "end"]
+    assert recorded(rc, name) == ["start", "end"]
     if isinstance(key, str):
         assert not rc.exists(key)
 
@@ -129,7 +119,7 @@ def test_a_claim_redis_refuses_fails_the_task_clearly_instead_of_retrying_foreve
             sent.get(timeout=30)
         assert "taskdedup doctor" in str(failure.value), failure.value
         assert sent.state == "FAILURE"
-        assert effects(rc, name) == []  # never run unguarded
+        assert recorded(rc, name) == []  # never run unguarded
         assert "retrying in" not in worker.output()
         assert rc.llen(queue) == 0  # not re-published
     finally:

@@ -25,7 +25,7 @@ from celery.exceptions import Ignore, Retry
 from celery.signals import after_task_publish, before_task_publish
 
 from .. import running
-from ..core import Identity, Verdict, resolve_duplicate, skipped_of, skipped_value
+from ..core import Identity, Verdict, copy_wait, resolve_duplicate, skipped_of, skipped_value
 from ..events import logger
 from ..exceptions import ConfigurationError, DuplicateTaskError, StoreUnavailableError
 from ..policy import MAX_DURATION_MS, OnDuplicate, Policy, is_disabled
@@ -55,7 +55,6 @@ __all__ = ["DedupTask", "DuplicateExecution", "NO_RESERVE", "skipped_info"]
 NO_RESERVE = "_taskdedup_no_reserve"
 _CALLBACK_OPTIONS = ("link", "link_error", "chain", "chord", "group_id")
 _STORE_RETRY_COUNTDOWN = 5.0
-_DEFER_MIN = 1.0  # seconds: the shortest wait of a copy put off (SPEC §5)
 # RedisTransport: check first (a separate reserve) while more than half of the recent calls
 # of a task were duplicates; the average weighs the last ~10 calls.
 _CHECK_FIRST_ABOVE = 0.5
@@ -497,14 +496,11 @@ class DedupTask(Task):  # type: ignore[misc]
         does not copy the republished message again) and under the lease (so a dead
         original's lapse is noticed soon)."""
         request = self.request
-        delay = max(_DEFER_MIN, policy.lease / 4)
-        timeout = visibility_timeout(self.app)
-        if timeout is not None:
-            delay = max(0.1, min(delay, timeout / 2))
         if request.is_eager:
             raise ConfigurationError(
                 f"{self.name}[{request.id}] runs eagerly while another execution of the same "
                 "id holds its lock: give each eager call its own id")
+        delay = copy_wait(policy, visibility_timeout(self.app))
         try:
             self.signature_from_request(request, countdown=delay).apply_async(
                 **{NO_RESERVE: True})

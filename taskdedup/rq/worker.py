@@ -16,7 +16,7 @@ from rq.utils import now
 from rq.worker import Worker
 
 from .. import running, stats
-from ..core import Deduplicator, GateResult, Identity, Verdict
+from ..core import Deduplicator, GateResult, Identity, Verdict, copy_wait
 from ..events import logger
 from ..exceptions import ConfigurationError, StoreUnavailableError, TaskDedupError
 from ..policy import MAX_DURATION_MS, Mode
@@ -313,7 +313,7 @@ class DedupWorker(Worker):
         of the lease on, at least 1 s), leaving the running copy's job hash alone. Not run,
         not failed, not a retry; once the running copy has ended it finishes (success) or
         runs (its lock was released)."""
-        delay = max(1.0, guard.policy.lease / 4)
+        delay = copy_wait(guard.policy)
         how = "rescheduled" if queue.scheduler_pid is not None else "re-queued"
         logger.info("taskdedup: %s[%s] %s in %ss (another copy of it is running)",
                     guard.name, job.id, how, delay)

@@ -6,7 +6,6 @@ what to install when they are missing.
 
 from __future__ import annotations
 
-import ipaddress
 import secrets
 
 import click
@@ -16,15 +15,6 @@ from ..exceptions import ConfigurationError
 from . import INSTALL_HINT, MIN_TOKEN_LENGTH
 
 __all__ = ["web"]
-
-
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 @click.command("web")
@@ -85,7 +75,9 @@ def web(
         raise CliError(str(exc)) from None
     except ImportError as exc:
         raise CliError(str(exc)) from None
-    if not _loopback(host):
+    from .hosts import is_loopback  # starlette is there: create_app imported it
+
+    if not is_loopback(host):
         click.echo(f"taskdedup web: listening on {host}, not loopback: anyone who reaches it "
                    "sees task names and lock owners; it answers only to the names given with "
                    "--allowed-host", err=True)
