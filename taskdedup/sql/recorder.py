@@ -7,90 +7,19 @@ dialect sends and how a concurrent run of the same identity waits.
 
 from __future__ import annotations
 
-import json
-import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
-from typing import Any, Final
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from .. import running
+from ..effects_core import DEFAULT_TTL, Effects, identity, lifetime, warn_if_short
 from ..exceptions import ConfigurationError, TaskDedupError
-from ..policy import duration_seconds
 from .statements import READ, SET_RESULT, for_dialect
 
 __all__ = ["DEFAULT_TTL", "Effects", "effects"]
-
-DEFAULT_TTL: Final = 7 * 24 * 3600.0
-"""Seconds a row counts when ``ttl`` is not given: 7 days, in a task or outside one.
-
-The row is the authority after the Redis window has gone: it must outlive every redelivery
-of the task's message, whatever the policy's ``ttl`` (kombu's Redis transport hands an unacked
-message out again after ``visibility_timeout``, an hour by default, and a broker outage or a
-stopped worker can hold a message much longer), and a payment provider's retries of one
-webhook (Stripe: up to 3 days). Rows past it are taken over, and removed by ``taskdedup sql
-prune``."""
-
-logger = logging.getLogger("taskdedup")
-
-_WARNED: set[str] = set()
-"""Tasks already warned about a row shorter than their redelivery delay (once per process)."""
-
-
-class Effects:
-    """What :func:`effects` yields.
-
-    Attributes:
-        key: the identity recorded.
-        first: True when this run recorded it (do the work); False when an earlier run
-            committed it and its row has not expired (do nothing, return :attr:`result`).
-        task_id: the id of the run whose row it is (this run's when ``first``; None for a row
-            recorded outside a task).
-    """
-
-    __slots__ = ("_result", "_result_set", "first", "key", "task_id")
-
-    def __init__(self, key: str, first: bool, task_id: str | None, result: Any) -> None:
-        self.key = key
-        self.first = first
-        self.task_id = task_id
-        self._result = result
-        self._result_set = False
-
-    @property
-    def result(self) -> Any:
-        """The earlier run's stored result (``first`` False), or what this run set (JSON).
-
-        Setting it on the first run stores it with the row when the block exits without an
-        error, in the same transaction.
-        """
-        return self._result
-
-    @result.setter
-    def result(self, value: Any) -> None:
-        if not self.first:
-            raise ConfigurationError(
-                f"fx.result of {self.key} was stored by {self.task_id!r}, the first run; "
-                "a later run reads it and cannot replace it"
-            )
-        try:
-            json.dumps(value, allow_nan=False)
-        except ValueError:  # NaN or ±Infinity somewhere inside: not JSON, PostgreSQL refuses
-            raise ValueError(
-                f"fx.result of {self.key} must be strict JSON: NaN and Infinity are not JSON "
-                "numbers (PostgreSQL would fail the whole transaction); store None or a "
-                "string instead"
-            ) from None
-        except TypeError as exc:
-            raise TypeError(f"fx.result must be JSON-serializable: {exc}") from None
-        self._result = value
-        self._result_set = True
-
-    def __repr__(self) -> str:
-        return f"Effects(key={self.key!r}, first={self.first}, task_id={self.task_id!r})"
 
 
 def _connection(conn: Any) -> sa.Connection:
@@ -117,22 +46,6 @@ def _autocommit(conn: sa.Connection) -> bool:
     return level == "AUTOCOMMIT"
 
 
-def _warn_if_short(now_running: running.Running | None, seconds: float) -> None:
-    """Warn once per task when its rows expire before its broker may redeliver it."""
-    if now_running is None or now_running.redelivery is None:
-        return
-    if seconds >= now_running.redelivery or now_running.task in _WARNED:
-        return
-    _WARNED.add(now_running.task)
-    logger.warning(
-        "taskdedup: effects() rows of %s live %.0fs (ttl), less than the %.0fs its broker may "
-        "take to redeliver its message (visibility_timeout + lease): a redelivery after the "
-        "row expired would do the work again; give effects(ttl=...) at least %.0f, or leave "
-        "the default (%.0fs)", now_running.task, seconds, now_running.redelivery,
-        now_running.redelivery, DEFAULT_TTL,
-    )
-
-
 @contextmanager
 def effects(
     conn: sa.Connection | Session, *, key: str | None = None,
@@ -155,15 +68,8 @@ def effects(
             an ``AUTOCOMMIT`` connection (the row would commit before the work); a ``ttl``
             that is not positive, finite and at most 100 years.
     """
-    now_running = running.current()
-    if key is None:
-        if now_running is None:
-            raise ConfigurationError(
-                "effects(conn) outside a gated Celery/RQ task needs key=...: no task is "
-                "running in this context to take the identity from"
-            )
-        key = now_running.key
-    seconds = DEFAULT_TTL if ttl is None else duration_seconds("effects(ttl=...)", ttl)
+    key, now_running = identity(key, "effects(conn)")
+    seconds = lifetime(ttl)
     connection = _connection(conn)
     if _autocommit(connection):
         raise ConfigurationError(
@@ -173,7 +79,7 @@ def effects(
             "isolation_level='AUTOCOMMIT'"
         )
     statements = for_dialect(str(connection.dialect.name))
-    _warn_if_short(now_running, seconds)
+    warn_if_short(now_running, seconds)
     task_id = now_running.task_id if now_running is not None else None
     now = datetime.now(UTC)
     params = {"b_key": key, "b_task_id": task_id, "b_now": now,
@@ -191,5 +97,6 @@ def effects(
                 )
         fx = Effects(key, False, row.task_id, row.result)
     yield fx
-    if fx.first and fx._result_set and fx._result is not None:
-        conn.execute(SET_RESULT, {"b_key": key, "b_result": fx._result})
+    result = fx.pending_result
+    if result is not None:
+        conn.execute(SET_RESULT, {"b_key": key, "b_result": result})
