@@ -125,6 +125,13 @@ SUBSET = [
 ]
 
 
+# Test modules run in parallel (pytest-xdist), a module per worker process (its module-scoped
+# workers and servers stay together); each worker process starts its own Redis and PostgreSQL.
+# Most tests wait on real workers rather than compute, so more processes than cores pay.
+# TASKDEDUP_TEST_PROCESSES=0 runs in one process.
+PARALLEL = ["-n", os.environ.get("TASKDEDUP_TEST_PROCESSES", "4"), "--dist", "loadfile"]
+
+
 def _install(session: nox.Session, combo: Combo) -> None:
     session.install("-e", EXTRAS, *TEST_DEPS, *combo.pins())
     session.env["TASKDEDUP_REDIS_SERVER"] = _server(session, combo.server)
@@ -163,7 +170,7 @@ def tests(session: nox.Session) -> None:
     tests/test_lint.py, tests/test_docs.py; Django and django-rq: tests/test_django.py)."""
     _install(session, NEWEST)
     session.install(*nox.project.dependency_groups(PYPROJECT, "lint", "bench", "django", "docs"))
-    session.run("python", "-m", "pytest", *session.posargs)
+    session.run("python", "-m", "pytest", *PARALLEL, *session.posargs)
 
 
 @nox.session
@@ -173,4 +180,4 @@ def tests(session: nox.Session) -> None:
 def compat(session: nox.Session, combo: Combo) -> None:
     """The real-server, real-worker subset on an older supported combination."""
     _install(session, combo)
-    session.run("python", "-m", "pytest", *SUBSET, *session.posargs)
+    session.run("python", "-m", "pytest", *PARALLEL, *SUBSET, *session.posargs)

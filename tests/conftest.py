@@ -19,6 +19,12 @@ import redis
 from taskdedup.testing import RedisServer
 from tests.workers import CeleryWorker
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # pytest-xdist's workers start with COLUMNS=80 and LINES=24 in their environment; the
+    # commands the tests run print as to a pipe, as in a plain run (full keys and names).
+    os.environ.pop("COLUMNS", None)
+    os.environ.pop("LINES", None)
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(

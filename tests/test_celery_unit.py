@@ -634,7 +634,8 @@ def test_taskdedup_store_may_be_a_store() -> None:
     assert get_deduplicator(app).store is store
 
 
-@pytest.mark.parametrize("bad", ["redis://localhost:6379/0", object(), 42], ids=repr)
+@pytest.mark.parametrize("bad", ["redis://localhost:6379/0", object(), 42],
+                         ids=["url", "object", "int"])  # ids stable across xdist workers
 def test_taskdedup_store_of_a_wrong_type_is_a_configuration_error(bad: Any) -> None:
     app = Celery("bad-store", broker="memory://")
     app.conf.taskdedup_store = bad

@@ -291,7 +291,8 @@ def test_coerce_validates_dict_values() -> None:
         Policy.coerce({"mode": "bogus"})
 
 
-@pytest.mark.parametrize("value", [5, 0, 1, "until_expired", ["mode"], object()], ids=repr)
+@pytest.mark.parametrize("value", [5, 0, 1, "until_expired", ["mode"], object()],
+                         ids=["5", "0", "1", "until_expired", "list", "object"])
 def test_coerce_refuses_other_types(value: Any) -> None:
     with pytest.raises(ConfigurationError, match=r"dedup= must be a taskdedup\.Policy, a dict"):
         Policy.coerce(value)
