@@ -50,9 +50,15 @@ from .batch import BATCH, Deferred
 from .config import fused_producer, fuses, get_deduplicator, visibility_timeout
 from .transport import FUSED, Fused, RedisTransport
 
-__all__ = ["DedupTask", "DuplicateExecution", "NO_RESERVE", "skipped_info"]
+__all__ = ["OUTBOX", "DedupTask", "DuplicateExecution", "NO_RESERVE", "skipped_info"]
 
 NO_RESERVE = "_taskdedup_no_reserve"
+OUTBOX = "_taskdedup_outbox"
+"""``apply_async`` option of :mod:`taskdedup.celery.outbox`: a row published under its own id,
+maybe again. Its gate is a fresh call's, and a lock its own id holds queued or running lets a
+copy through without touching the lock (the worker's same-id copy rule runs it once: SPEC
+§5); done or finished by its own id, nothing is sent. A retry's republish would turn a
+running lock back to queued, and a copy could then run beside the original."""
 _CALLBACK_OPTIONS = ("link", "link_error", "chain", "chord", "group_id")
 _STORE_RETRY_COUNTDOWN = 5.0
 # RedisTransport: check first (a separate reserve) while more than half of the recent calls
@@ -131,6 +137,7 @@ class DedupTask(Task):  # type: ignore[misc]
         override = options.pop("dedup", None)
         dedup_key = options.pop("dedup_key", None)
         no_reserve = options.pop(NO_RESERVE, False)
+        outbox = bool(options.pop(OUTBOX, False))
 
         def publish(
             task_id: str | None, headers: dict[str, Any] | None, producer: Any = producer
@@ -165,7 +172,7 @@ class DedupTask(Task):  # type: ignore[misc]
 
         # A fresh call (not a retry or a republish of that message) that reuses an explicit
         # task_id whose lock that id holds is a duplicate of itself, as RQ's job_id is.
-        fresh = carried is None and not (task_id and task_id == self.request.id)
+        fresh = outbox or (carried is None and not (task_id and task_id == self.request.id))
         given = task_id
         task_id = task_id or str(uuid.uuid4())
         ttl_ms = _reservation_ttl_ms(policy, options, self)
@@ -180,29 +187,31 @@ class DedupTask(Task):  # type: ignore[misc]
                 if isinstance(_compat.transport_of(acquired), RedisTransport):
                     handle = self._publish_fused(policy, identity, task_id, ttl_ms, publish_on,
                                                  headers, link, link_error, options, fresh,
-                                                 given)
+                                                 given, outbox)
                     if pending is not None:  # already one round trip: published, recorded
                         pending.results.append(handle)
                     return handle
             # A producer not on RedisTransport (fused_producer never gives one): never push
             # without the gate, reserve in a round trip of its own below.
-        if pending is not None and not is_eager:
+        if pending is not None and not is_eager and not outbox:
             return pending.defer(Deferred(self, policy, identity, task_id, ttl_ms, publish,
                                           headers, link, link_error, options, fresh, given))
         return self._gate_and_publish(policy, identity, task_id, ttl_ms, publish, headers,
-                                      link, link_error, options, fresh, given)
+                                      link, link_error, options, fresh, given, outbox)
 
     def _gate_and_publish(
         self, policy: Policy, identity: Identity, task_id: str, ttl_ms: int,
         publish: Callable[[str, dict[str, Any]], Any], headers: dict[str, Any], link: Any,
         link_error: Any, options: Mapping[str, Any], fresh: bool = False,
-        given: str | None = None,
+        given: str | None = None, outbox: bool = False,
     ) -> Any:
         """Reserve (one round trip), then publish what the gate let through; a failed
         publish releases the reservation before the error reaches the caller."""
         dedup = get_deduplicator(self.app)
         result = dedup.gate(self.name, policy, identity, task_id, ttl_ms=ttl_ms, fresh=fresh)
         self._note_outcome(result.verdict is Verdict.DUPLICATE)
+        if outbox and _live_copy(result, task_id):
+            return publish(task_id, headers)  # its own lock: a copy, the lock left as it is
         if result.verdict is Verdict.DUPLICATE:
             return self._on_duplicate(policy, identity.key, result.existing_id, task_id, given,
                                       publish, headers, link, link_error, options)
@@ -219,7 +228,7 @@ class DedupTask(Task):  # type: ignore[misc]
         self, policy: Policy, identity: Identity, task_id: str, ttl_ms: int,
         publish: Callable[[str | None, dict[str, Any] | None], Any], headers: dict[str, Any],
         link: Any, link_error: Any, options: Mapping[str, Any], fresh: bool = False,
-        given: str | None = None,
+        given: str | None = None, outbox: bool = False,
     ) -> Any:
         """Publish with the reservation inside the broker's push (:class:`RedisTransport`)."""
         fused = Fused(identity.key, task_id, ttl_ms, identity.check,
@@ -253,6 +262,8 @@ class DedupTask(Task):  # type: ignore[misc]
         result = dedup.verdict(self.name, identity, task_id, fused.result,
                                time.perf_counter() - started)
         self._note_outcome(result.verdict is Verdict.DUPLICATE)
+        if outbox and _live_copy(result, task_id):
+            return publish(task_id, headers)  # its own lock: a copy, pushed without the gate
         if result.verdict is Verdict.DUPLICATE:
             _compat.forget_pending(self, task_id)  # it was never sent
             return self._on_duplicate(policy, identity.key, result.existing_id, task_id, given,
@@ -564,6 +575,13 @@ def skipped_info(result: Any) -> dict[str, Any] | None:
             return None
         result = result.result
     return skipped_of(result)
+
+
+def _live_copy(result: Any, task_id: str) -> bool:
+    """Whether a gate's answer is this very id's own lock, queued or running (see
+    :data:`OUTBOX`)."""
+    return (result.verdict is Verdict.DUPLICATE and result.existing_id == task_id
+            and result.state in (LockState.QUEUED, LockState.RUNNING))
 
 
 def _announces_publishes(app: Celery) -> bool:
