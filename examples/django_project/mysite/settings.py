@@ -1,11 +1,13 @@
-"""Settings of the example project: Celery and django-rq, both with taskdedup.
+"""Settings of the example project: Celery and django-rq, both with taskdedup, and taskdedup's
+Django app (durable effects and the transactional outbox on the ORM).
 
-Secrets and URLs come from the environment, with defaults for a local Redis. See
-docs/how-to/django.md for what each taskdedup setting does.
+Secrets and URLs come from the environment, with defaults for a local Redis and a SQLite file.
+See docs/how-to/django.md for what each taskdedup setting does.
 """
 
 import os
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -14,21 +16,55 @@ DEBUG = os.environ.get("DJANGO_DEBUG", "1") == "1"
 ALLOWED_HOSTS = os.environ.get("DJANGO_ALLOWED_HOSTS", "localhost,127.0.0.1").split(",")
 
 INSTALLED_APPS = [
-    "django.contrib.contenttypes",
+    "django.contrib.admin",
     "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
     "django_rq",
+    "taskdedup.django",  # taskdedup_effects and taskdedup_outbox (manage.py migrate)
     "orders",
 ]
+
+MIDDLEWARE = [
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+]
+TEMPLATES = [{
+    "BACKEND": "django.template.backends.django.DjangoTemplates",
+    "APP_DIRS": True,
+    "OPTIONS": {"context_processors": [
+        "django.template.context_processors.request",
+        "django.contrib.auth.context_processors.auth",
+        "django.contrib.messages.context_processors.messages",
+    ]},
+}]
 
 ROOT_URLCONF = "mysite.urls"
 ASGI_APPLICATION = "mysite.asgi.application"  # Django and taskdedup's dashboard (asgi.py)
 
-DATABASES = {
-    "default": {
-        "ENGINE": "django.db.backends.sqlite3",
-        "NAME": BASE_DIR / "db.sqlite3",
-    }
-}
+
+
+def _database(url: str) -> dict[str, object]:
+    """``DATABASES["default"]`` from ``DJANGO_DATABASE_URL``: ``sqlite:///<path>`` or
+    ``postgresql://user:password@host:port/name`` (psycopg 3); empty: ``db.sqlite3`` here."""
+    if not url:
+        return {"ENGINE": "django.db.backends.sqlite3", "NAME": BASE_DIR / "db.sqlite3"}
+    if url.startswith("sqlite:///"):  # a worker and a producer share the file: wait for locks
+        return {"ENGINE": "django.db.backends.sqlite3", "NAME": url[len("sqlite:///"):],
+                "OPTIONS": {"timeout": 30}}
+    parts = urlsplit(url)
+    if parts.scheme not in ("postgresql", "postgres", "postgresql+psycopg"):
+        raise ValueError(f"DJANGO_DATABASE_URL: sqlite:/// or postgresql:// only, not {url!r}")
+    return {"ENGINE": "django.db.backends.postgresql", "NAME": parts.path.lstrip("/"),
+            "USER": unquote(parts.username or ""), "PASSWORD": unquote(parts.password or ""),
+            "HOST": parts.hostname or "", "PORT": str(parts.port or "")}
+
+
+DATABASES = {"default": _database(os.environ.get("DJANGO_DATABASE_URL", ""))}
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 USE_TZ = True
 TIME_ZONE = "UTC"
@@ -48,6 +84,11 @@ CELERY_TASK_ACKS_LATE = True
 # another one.
 CELERY_TASKDEDUP_URL = os.environ.get("DEDUP_REDIS_URL") or None
 CELERY_TASKDEDUP_PREFIX = "mysite"  # the first component of every lock key
+
+# -- taskdedup's outbox relay (manage.py taskdedup_relay) -----------------------------------
+
+# The Celery app the relay publishes with (default: the one mysite/celery.py makes current).
+TASKDEDUP_CELERY_APP = "mysite.celery:app"
 
 # -- django-rq --------------------------------------------------------------------------------
 

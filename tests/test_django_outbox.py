@@ -1,0 +1,373 @@
+"""taskdedup's Django app (``taskdedup.django``) in the example project, on SQLite and on a
+real PostgreSQL: ``manage.py migrate`` creates the SQLAlchemy tier's tables, the admin pages
+are read-only, ``effects()`` claims once on Django's connection, and the outbox's calls added
+in a transaction run once on a real Celery prefork worker and a real RQ worker — published
+after the commit by the committing process, or by ``manage.py taskdedup_relay`` when that
+process was killed first.
+
+Django runs only in subprocesses (``manage.py``), never in the test process, as in
+tests/test_django.py. Django and django-rq are in the ``django`` dependency group: without
+them this module is skipped, except on CI, where that is an error.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from taskdedup.testing import wait_for
+
+PROJECT = Path(__file__).resolve().parent.parent / "examples" / "django_project"
+ROOT = PROJECT.parent.parent
+BROKER_DB, LOCKS_DB = 10, 11  # databases of their own on the session's server
+
+_MISSING = [name for name in ("django", "django_rq", "sqlalchemy", "psycopg")
+            if importlib.util.find_spec(name) is None]
+if _MISSING:
+    _WHY = (f"not installed: {', '.join(_MISSING)} (the 'django' and 'test' dependency "
+            "groups)")
+    if os.environ.get("CI"):
+        pytest.fail(_WHY, pytrace=False)
+    pytest.skip(_WHY, allow_module_level=True)
+
+import sqlalchemy as sa  # noqa: E402
+
+from taskdedup.sql import table  # noqa: E402
+from taskdedup.sql.statements import READ  # noqa: E402
+from tests.sqldb import postgres_url  # noqa: E402
+from tests.test_django import ProjectCeleryWorker  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+# The outbox table as taskdedup/outbox/DESIGN.md fixes it (the SQLAlchemy tier's, too).
+OUTBOX_COLUMNS = {
+    "id": ("TEXT", False, True), "kind": ("VARCHAR", False, False),
+    "target": ("VARCHAR", False, False), "body": ("TEXT", False, False),
+    "created": ("DATETIME", False, False), "next_attempt": ("DATETIME", False, False),
+    "attempts": ("INTEGER", False, False), "last_error": ("TEXT", True, False),
+}
+
+
+def _url(base: str, db: int) -> str:
+    return base.rsplit("/", 1)[0] + f"/{db}" if base.count("/") > 2 else f"{base}/{db}"
+
+
+@dataclass
+class Project:
+    """The example project on one database: its environment, and a SQLAlchemy engine on the
+    same database for the checks the test process makes itself."""
+
+    dialect: str
+    env: dict[str, str]
+    engine: sa.Engine
+    tmp: Path
+    worker: ProjectCeleryWorker | None = None
+
+    @property
+    def broker(self) -> redis.Redis:
+        return redis.Redis.from_url(self.env["REDIS_URL"])
+
+    def run(self, *args: str, timeout: float = 90.0, check: bool = True
+            ) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run(
+            [sys.executable, "manage.py", *args], cwd=PROJECT, env=self.env,
+            capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+        )
+        if check:
+            assert done.returncode == 0, done.stdout + done.stderr
+        return done
+
+    def shell(self, code: str) -> Any:
+        """Run ``code`` in ``manage.py shell -c``; the JSON it printed last."""
+        out = self.run("shell", "-c", textwrap.dedent(code)).stdout
+        return json.loads(out.strip().splitlines()[-1])
+
+    def popen(self, *args: str) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [sys.executable, "manage.py", *args], cwd=PROJECT, env=self.env, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )
+
+    def rows(self, sql: str) -> list[Any]:
+        with self.engine.connect() as conn:
+            return list(conn.execute(sa.text(sql)))
+
+    def celery(self) -> ProjectCeleryWorker:
+        """The project's Celery prefork worker on this database (started on first use)."""
+        if self.worker is None:
+            self.worker = ProjectCeleryWorker(self.env["REDIS_URL"], queue="celery",
+                                              concurrency=2, env=self.env)
+            self.worker.start()
+        return self.worker
+
+    def celery_done(self, task_id: str) -> dict[str, Any] | None:
+        raw = self.broker.get(f"celery-task-meta-{task_id}")
+        meta = None if raw is None else json.loads(raw)
+        return meta if meta is not None and meta["status"] == "SUCCESS" else None
+
+
+def _postgres_database() -> str:
+    """A fresh database on the session's PostgreSQL (the other modules' tables stay apart)."""
+    import psycopg
+
+    server = postgres_url().replace("postgresql+psycopg://", "postgresql://")
+    name = f"td_django_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(server, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    return server.rsplit("/", 1)[0] + f"/{name}"
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def project(request: pytest.FixtureRequest, redis_url: str,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Project]:
+    """The example project, migrated, on a new SQLite file or PostgreSQL database, with two
+    flushed Redis databases (broker and queues; Celery's locks)."""
+    tmp = tmp_path_factory.mktemp(f"django-{request.param}")
+    if request.param == "sqlite":
+        database = f"sqlite:///{tmp / 'db.sqlite3'}"
+        engine = sa.create_engine(database)
+    else:
+        database = _postgres_database()
+        engine = sa.create_engine(database.replace("postgresql://", "postgresql+psycopg://"))
+    urls = {"REDIS_URL": _url(redis_url, BROKER_DB), "DEDUP_REDIS_URL": _url(redis_url, LOCKS_DB)}
+    for url in urls.values():
+        with redis.Redis.from_url(url) as client:
+            client.flushdb()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TASKDEDUP_")}
+    env.update(urls, TASKDEDUP_URL="", TASKDEDUP_PREFIX="", DJANGO_DATABASE_URL=database,
+               DJANGO_SETTINGS_MODULE="mysite.settings",
+               PYTHONPATH=os.pathsep.join([str(PROJECT), str(ROOT)]))
+    found = Project(request.param, env, engine, tmp)
+    found.run("migrate", "-v0")
+    try:
+        yield found
+    finally:
+        if found.worker is not None:
+            found.worker.stop()
+        engine.dispose()
+
+
+# -- migrate ------------------------------------------------------------------------------
+
+
+def _columns(inspector: Any, name: str) -> dict[str, tuple[str, bool, bool]]:
+    pk = set(inspector.get_pk_constraint(name)["constrained_columns"])
+    found = {}
+    for column in inspector.get_columns(name):
+        kind = type(column["type"]).__name__.upper()
+        kind = {"TIMESTAMP": "DATETIME"}.get(kind, kind)  # PostgreSQL's timestamptz
+        found[column["name"]] = (kind, bool(column["nullable"]), column["name"] in pk)
+    return found
+
+
+def test_migrate_creates_the_sqlalchemy_tiers_tables(project: Project) -> None:
+    """Column for column the SQLAlchemy tier's tables (reflected, compared with
+    ``taskdedup.sql.table``'s), with its index names, and nothing else of Django's."""
+    inspector = sa.inspect(project.engine)
+    wanted = {c.name: (type(c.type).__name__.upper(), bool(c.nullable), c.primary_key)
+              for c in table(sa.MetaData()).columns}
+    assert wanted["created"][0] == "DATETIME" and wanted["result"][0] == "JSON"
+    assert _columns(inspector, "taskdedup_effects") == wanted
+    assert _columns(inspector, "taskdedup_outbox") == OUTBOX_COLUMNS
+    outbox = {c["name"]: c for c in inspector.get_columns("taskdedup_outbox")}
+    assert outbox["kind"]["type"].length == 16 and outbox["target"]["type"].length == 255
+    assert str(outbox["attempts"]["default"]).strip("'()") == "0"
+    indexes = {t: {i["name"]: i["column_names"] for i in inspector.get_indexes(t)}
+               for t in ("taskdedup_effects", "taskdedup_outbox")}
+    assert indexes == {
+        "taskdedup_effects": {"ix_taskdedup_effects_expires": ["expires"]},
+        "taskdedup_outbox": {"ix_taskdedup_outbox_next_attempt": ["next_attempt"]},
+    }
+
+
+# -- admin and effects, in one Django process ----------------------------------------------
+
+_ADMIN_AND_EFFECTS = """
+import json, math
+from datetime import UTC, datetime, timedelta
+from django.contrib.auth.models import User
+from django.db import transaction
+from django.test import Client
+from taskdedup import running
+from taskdedup.exceptions import ConfigurationError
+from taskdedup.django import effects
+from taskdedup.django.models import Effect, OutboxRow
+
+out = {}
+# effects: outside atomic, first, not first with the stored result, strict JSON
+try:
+    with effects(key="k-outside"):
+        pass
+except ConfigurationError as exc:
+    out["outside"] = str(exc)
+with transaction.atomic():
+    with effects(key="k1") as fx:
+        out["first"] = [fx.first, fx.task_id, fx.key]
+        fx.result = {"charged": 5000, "items": [1, 2]}
+        try:
+            fx.result = {"bad": math.nan}
+        except ValueError as exc:
+            out["nan"] = str(exc)
+with transaction.atomic():
+    with effects(key="k1") as fx:
+        out["second"] = [fx.first, fx.task_id, fx.result]
+# the running task's identity and id; a rollback records nothing
+token = running.enter(running.Running("orders.tasks.x", "task-7", "mysite:x:abc", 60.0))
+try:
+    with transaction.atomic():
+        with effects() as fx:
+            out["running"] = [fx.first, fx.key, fx.task_id]
+    try:
+        with transaction.atomic():
+            with effects(key="k-rolled-back") as fx:
+                fx.result = 1
+                raise RuntimeError
+    except RuntimeError:
+        pass
+finally:
+    running.leave(token)
+with transaction.atomic():
+    with effects(key="k-rolled-back") as fx:
+        out["after_rollback"] = fx.first
+# an expired row is taken over
+Effect.objects.filter(key="k1").update(expires=datetime.now(UTC) - timedelta(seconds=1))
+with transaction.atomic():
+    with effects(key="k1", ttl=60) as fx:
+        out["expired"] = [fx.first, fx.result]
+out["rows"] = {e.key: [e.task_id, e.result] for e in Effect.objects.all()}
+# the admin: listed and shown to a superuser, never added, changed or deleted
+OutboxRow.objects.create(id="row-1", kind="celery", target="orders.tasks.record_charge",
+                         body='{"secret": "x"}', created=datetime.now(UTC),
+                         next_attempt=datetime.now(UTC))
+user = User.objects.create_superuser("admin-" + str(id(out)), "a@example.com", "pw")
+web = Client(HTTP_HOST="localhost")
+web.force_login(user)
+pages = {}
+for model, pk in (("effect", "k1"), ("outboxrow", "row-1")):
+    base = f"/admin/taskdedup/{model}/"
+    listing = web.get(base)
+    detail = web.get(f"{base}{pk}/change/")
+    pages[model] = {
+        "list": listing.status_code, "detail": detail.status_code,
+        "listed": pk in listing.content.decode(),
+        "save_button": 'name="_save"' in detail.content.decode(),
+        "add": web.get(f"{base}add/").status_code,
+        "delete": web.get(f"{base}{pk}/delete/").status_code,
+        "post": web.post(f"{base}{pk}/change/", {"key": pk}).status_code,
+        "body_shown": "secret" in detail.content.decode(),
+    }
+pages["index"] = "taskdedup" in web.get("/admin/").content.decode()
+OutboxRow.objects.all().delete()
+out["admin"] = pages
+print(json.dumps(out))
+"""
+
+
+def test_admin_is_read_only_and_effects_claims_once(project: Project) -> None:
+    out = project.shell(_ADMIN_AND_EFFECTS)
+    assert "transaction.atomic" in out["outside"]
+    assert out["first"] == [True, None, "k1"]
+    assert "strict JSON" in out["nan"]
+    assert out["second"] == [False, None, {"charged": 5000, "items": [1, 2]}]
+    assert out["running"] == [True, "mysite:x:abc", "task-7"]
+    assert out["after_rollback"] is True  # the rolled-back claim left no row
+    assert out["expired"] == [True, None]  # taken over: first again, the old result gone
+    assert out["rows"]["k1"] == [None, None]
+    assert out["rows"]["mysite:x:abc"] == ["task-7", None]
+    # the rows the Django app wrote are the SQLAlchemy tier's: read through it
+    with project.engine.connect() as conn:
+        row = conn.execute(READ, {"b_key": "mysite:x:abc", "b_now": datetime.now(UTC)}).first()
+    assert row is not None and row.task_id == "task-7"
+    for model in ("effect", "outboxrow"):
+        page = out["admin"][model]
+        assert page["list"] == 200 and page["detail"] == 200 and page["listed"], page
+        assert not page["save_button"], page  # shown, not editable
+        assert page["add"] == 403 and page["delete"] == 403 and page["post"] == 403, page
+    assert not out["admin"]["outboxrow"]["body_shown"]  # the arguments are never shown
+    assert out["admin"]["index"]
+
+
+# -- two processes, one identity ----------------------------------------------------------
+
+_HOLDER = """
+import json, time
+from pathlib import Path
+from django.db import transaction
+from taskdedup.django import effects
+d = Path({tmp!r})
+with transaction.atomic():
+    with effects(key="k-race") as fx:
+        fx.result = {{"by": "holder"}}
+        (d / "claimed").write_text(json.dumps(fx.first))
+        while not (d / "commit").exists():
+            time.sleep(0.02)
+    (d / "committing").write_text(repr(time.time()))
+print(json.dumps("committed"))
+"""
+
+_CLAIMER = """
+import json, time
+from pathlib import Path
+from django.db import transaction
+from taskdedup.django import effects
+d = Path({tmp!r})
+(d / "claiming").write_text(repr(time.time()))
+with transaction.atomic():
+    with effects(key="k-race") as fx:
+        print(json.dumps([fx.first, fx.result, time.time()]))
+"""
+
+
+def _last_json(process: subprocess.Popen[str]) -> Any:
+    out, _ = process.communicate(timeout=90)
+    assert process.returncode == 0, out
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_a_concurrent_run_waits_for_the_first_to_commit_then_is_not_first(
+    project: Project,
+) -> None:
+    """The second claim of an identity blocks until the first transaction commits (on the
+    primary key on PostgreSQL, on the database lock on SQLite), then reads its result."""
+    tmp = project.tmp / f"race-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    holder = project.popen("shell", "-c", _HOLDER.format(tmp=str(tmp)))
+    claimer = None
+    try:
+        wait_for(lambda: (tmp / "claimed").exists() or holder.poll() is not None,
+                 timeout=60, what="the holder claimed")
+        assert json.loads((tmp / "claimed").read_text()) is True
+        claimer = project.popen("shell", "-c", _CLAIMER.format(tmp=str(tmp)))
+        wait_for(lambda: (tmp / "claiming").exists() or claimer.poll() is not None,
+                 timeout=60, what="the second run started its claim")
+        if project.dialect == "postgresql":  # seen waiting on the first's row lock
+            wait_for(lambda: project.rows(
+                "select count(*) from pg_stat_activity where wait_event_type = 'Lock' "
+                "and datname = current_database()")[0][0] == 1, timeout=30,
+                what="the second claim waiting on a lock")
+        else:
+            time.sleep(0.5)  # SQLite: no view of a waiting writer; the times below tell
+        assert claimer.poll() is None  # still waiting
+        (tmp / "commit").touch()
+        assert _last_json(holder) == "committed"
+        first, result, claimed_at = _last_json(claimer)
+    finally:
+        for process in (holder, claimer):
+            if process is not None and process.poll() is None:
+                process.kill()
+    assert first is False and result == {"by": "holder"}
+    assert claimed_at >= float((tmp / "committing").read_text())  # answered after the commit
