@@ -396,7 +396,8 @@ def test_sql_init_is_idempotent_and_prune_reports_what_it_deleted(
     assert (out.exit_code, out.output) == (0, f"created {TABLE_NAME}\n")
     monkeypatch.setenv("TASKDEDUP_SQL_URL", url)
     out = runner.invoke(main, ["sql", "init"], catch_exceptions=False)
-    assert (out.exit_code, out.output) == (0, f"{TABLE_NAME} exists: nothing to do\n")
+    assert (out.exit_code, out.output) == (
+        0, f"{TABLE_NAME} and taskdedup_outbox exist: nothing to do\n")
     with engine.begin() as conn:
         for n in range(3):
             with effects(conn, key=f"gone-{n}", ttl=0.01):

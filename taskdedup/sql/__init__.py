@@ -18,9 +18,10 @@ SQLAlchemy 2 (``pip install 'taskdedup[sql]'``; PostgreSQL also needs psycopg 3:
 SQLAlchemy is imported when a name of this package is first used, so ``taskdedup sql``'s
 help works without it.
 
-Modules: ``schema`` (the table), ``statements`` (the one statement per dialect), ``recorder``
-(the context manager), ``admin`` (create the table, prune expired rows), ``cli`` (``taskdedup
-sql init`` / ``prune``).
+Modules: ``schema`` (the tables), ``statements`` (the one statement per dialect), ``recorder``
+(the context manager), ``outbox`` (the transactional outbox: ``outbox.add(conn, target, ...)``,
+SPEC §14), ``admin`` (create the tables, prune expired rows), ``cli`` (``taskdedup sql init`` /
+``prune``), ``outbox_cli`` (``taskdedup outbox relay`` / ``status``).
 """
 
 from __future__ import annotations
@@ -31,13 +32,15 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .admin import init, prune
     from .recorder import DEFAULT_TTL, Effects, effects
-    from .schema import TABLE_NAME, table
+    from .schema import OUTBOX_TABLE_NAME, TABLE_NAME, outbox_table, table
 
-__all__ = ["DEFAULT_TTL", "TABLE_NAME", "Effects", "effects", "init", "prune", "table"]
+__all__ = ["DEFAULT_TTL", "OUTBOX_TABLE_NAME", "TABLE_NAME", "Effects", "effects", "init",
+           "outbox_table", "prune", "table"]
 
 _WHERE = {
     "DEFAULT_TTL": "recorder", "Effects": "recorder", "effects": "recorder",
     "TABLE_NAME": "schema", "table": "schema", "init": "admin", "prune": "admin",
+    "OUTBOX_TABLE_NAME": "schema", "outbox_table": "schema",
 }
 
 INSTALL_HINT = "pip install 'taskdedup[sql]'"

@@ -7,10 +7,10 @@ from typing import Final
 
 import sqlalchemy as sa
 
-from .schema import TABLE
+from .schema import OUTBOX, TABLE
 from .statements import for_dialect
 
-__all__ = ["DEFAULT_BATCH", "engine_from_url", "init", "prune"]
+__all__ = ["DEFAULT_BATCH", "create_tables", "engine_from_url", "init", "prune"]
 
 DEFAULT_BATCH: Final = 1000
 
@@ -26,12 +26,19 @@ def engine_from_url(url: str) -> sa.Engine:
 
 
 def init(engine: sa.Engine) -> bool:
-    """Create ``taskdedup_effects`` and its index unless they exist; True if it was created."""
+    """Create ``taskdedup_effects`` and ``taskdedup_outbox`` (and their indexes) unless they
+    exist; True if ``taskdedup_effects`` was created."""
+    return TABLE.name in create_tables(engine)
+
+
+def create_tables(engine: sa.Engine) -> list[str]:
+    """Create the tables of the durable tier that do not exist yet; return their names."""
     for_dialect(engine.dialect.name)  # refuse an unsupported database before touching it
     with engine.begin() as conn:
-        existed = sa.inspect(conn).has_table(TABLE.name)
-        TABLE.metadata.create_all(conn, checkfirst=True)
-    return not existed
+        inspector = sa.inspect(conn)
+        missing = [t.name for t in (TABLE, OUTBOX) if not inspector.has_table(t.name)]
+        TABLE.metadata.create_all(conn, checkfirst=True)  # OUTBOX is on the same metadata
+    return missing
 
 
 def prune(engine: sa.Engine, *, batch: int = DEFAULT_BATCH, now: datetime | None = None) -> int:

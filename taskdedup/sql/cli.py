@@ -1,4 +1,4 @@
-"""``taskdedup sql init`` and ``taskdedup sql prune``: the durable tier's table, operated.
+"""``taskdedup sql init`` and ``taskdedup sql prune``: the durable tier's tables, operated.
 
 Importable without SQLAlchemy (``taskdedup --help`` lists ``sql``); the commands say what to
 install when it is missing. ``--url`` is a SQLAlchemy URL (default ``TASKDEDUP_SQL_URL``); a
@@ -57,21 +57,23 @@ def sql() -> None:
 @sql.command("init")
 @click.option("--url", envvar="TASKDEDUP_SQL_URL", help=_URL_HELP)
 def init_command(url: str | None) -> None:
-    """Create the taskdedup_effects table and its index (does nothing if they exist)."""
+    """Create the taskdedup_effects and taskdedup_outbox tables and their indexes (does
+    nothing if they exist)."""
     engine = _engine(url)
     from sqlalchemy.exc import SQLAlchemyError
 
     from ..exceptions import ConfigurationError
-    from .admin import init
-    from .schema import TABLE_NAME
+    from .admin import create_tables
+    from .schema import OUTBOX_TABLE_NAME, TABLE_NAME
 
     try:
-        created = init(engine)
+        created = create_tables(engine)
     except (SQLAlchemyError, ConfigurationError) as exc:
         raise _fail(engine, exc) from None
     finally:
         engine.dispose()
-    click.echo(f"created {TABLE_NAME}" if created else f"{TABLE_NAME} exists: nothing to do")
+    click.echo(f"created {', '.join(created)}" if created else
+               f"{TABLE_NAME} and {OUTBOX_TABLE_NAME} exist: nothing to do")
 
 
 @sql.command("prune")

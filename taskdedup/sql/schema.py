@@ -1,4 +1,5 @@
-"""The ``taskdedup_effects`` table: one row per identity whose effects were committed."""
+"""The durable tier's tables: ``taskdedup_effects`` (one row per identity whose effects were
+committed) and ``taskdedup_outbox`` (calls committed but not yet published, SPEC §14)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,10 @@ from typing import Final
 
 import sqlalchemy as sa
 
-__all__ = ["TABLE", "TABLE_NAME", "table"]
+__all__ = ["OUTBOX", "OUTBOX_TABLE_NAME", "TABLE", "TABLE_NAME", "outbox_table", "table"]
 
 TABLE_NAME: Final = "taskdedup_effects"
+OUTBOX_TABLE_NAME: Final = "taskdedup_outbox"
 
 
 def table(metadata: sa.MetaData) -> sa.Table:
@@ -35,5 +37,35 @@ def table(metadata: sa.MetaData) -> sa.Table:
     )
 
 
+def outbox_table(metadata: sa.MetaData) -> sa.Table:
+    """The ``taskdedup_outbox`` table on ``metadata`` (for Alembic's autogenerate).
+
+    Columns (the same in the Django app, so either reads the other's rows): ``id`` (the
+    Celery task id / RQ job id, primary key), ``kind`` (``celery`` or ``rq``), ``target``
+    (the task or queue name), ``body`` (the call, JSON: :class:`taskdedup.outbox.Envelope`),
+    ``created``, ``next_attempt`` (indexed: the relay takes due rows by it), ``attempts``
+    (failed publishes) and ``last_error``. Calling it twice on one ``metadata`` returns the
+    same table.
+    """
+    existing = metadata.tables.get(OUTBOX_TABLE_NAME)
+    if existing is not None:
+        return existing
+    return sa.Table(
+        OUTBOX_TABLE_NAME,
+        metadata,
+        sa.Column("id", sa.Text, primary_key=True),
+        sa.Column("kind", sa.String(16), nullable=False),
+        sa.Column("target", sa.String(255), nullable=False),
+        sa.Column("body", sa.Text, nullable=False),
+        sa.Column("created", sa.DateTime(timezone=True), nullable=False),
+        sa.Column("next_attempt", sa.DateTime(timezone=True), nullable=False),
+        sa.Column("attempts", sa.Integer, nullable=False, server_default=sa.text("0")),
+        sa.Column("last_error", sa.Text, nullable=True),
+        sa.Index(f"ix_{OUTBOX_TABLE_NAME}_next_attempt", "next_attempt"),
+    )
+
+
 TABLE: Final = table(sa.MetaData())
 """The definition taskdedup itself uses (the same as :func:`table` gives)."""
+OUTBOX: Final = outbox_table(TABLE.metadata)
+"""The outbox's definition taskdedup itself uses, on the same metadata as :data:`TABLE`."""
