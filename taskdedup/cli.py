@@ -69,6 +69,7 @@ _JSON_UNSAFE: Final = re.compile("[\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u20
 # heavy: Celery, RQ, a Redis server). ``taskdedup demo`` is ``taskdedup/demo.py``'s ``demo``
 # click command; it is listed once that module exists.
 LAZY_COMMANDS: Final[dict[str, str]] = {"demo": "taskdedup.demo:demo",
+                                         "outbox": "taskdedup.sql.outbox_cli:outbox",
                                          "sql": "taskdedup.sql.cli:sql",
                                          "web": "taskdedup.web.cli:web"}
 
