@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -371,3 +372,161 @@ def test_a_concurrent_run_waits_for_the_first_to_commit_then_is_not_first(
                 process.kill()
     assert first is False and result == {"by": "holder"}
     assert claimed_at >= float((tmp / "committing").read_text())  # answered after the commit
+
+
+# -- the outbox, with a real Celery prefork worker and a real RQ worker ----------------------
+
+_PLACE = """
+import io, json, logging
+import django_rq, redis
+from django.db import transaction
+from taskdedup.exceptions import ConfigurationError
+from taskdedup.django import outbox
+from taskdedup.django.models import OutboxRow
+from taskdedup.rq.django import DjangoDedupQueue
+from orders.jobs import record_charge_job
+from orders.services import place_order
+from orders.tasks import record_charge
+
+log = io.StringIO()
+logging.getLogger("taskdedup").addHandler(logging.StreamHandler(log))
+out = {{}}
+out["celery"] = place_order("ORD-C", 5000)             # committed: published at once
+out["rq"] = place_order("ORD-R", 700, via="rq")
+out["left"] = OutboxRow.objects.count()                  # published rows are deleted
+try:                                                     # rolled back: no row, nothing sent
+    with transaction.atomic():
+        outbox.add(record_charge.s("ORD-X", 1))
+        outbox.add(django_rq.get_queue("default"), record_charge_job, "ORD-X", 1)
+        raise RuntimeError
+except RuntimeError:
+    pass
+with transaction.atomic():                               # a savepoint rolled back: not sent
+    out["kept"] = outbox.add(record_charge.s("ORD-S", 2))
+    try:
+        with transaction.atomic():
+            out["dropped"] = outbox.add(record_charge.s("ORD-Y", 3))
+            raise RuntimeError
+    except RuntimeError:
+        pass
+try:
+    outbox.add(record_charge.s("ORD-Z", 4))
+except ConfigurationError as exc:
+    out["outside"] = str(exc)
+# a publish that fails after the commit (a queue on a Redis that is not there): logged,
+# never raised, the row left to the relay
+dead = DjangoDedupQueue("default", connection=redis.Redis(port={dead_port}))
+with transaction.atomic():
+    out["failed"] = outbox.add(dead, record_charge_job, "ORD-F", 9)
+out["warned"] = log.getvalue()
+out["rows"] = list(OutboxRow.objects.values_list("id", flat=True))
+print(json.dumps(out))
+"""
+
+_AGAIN = """
+import io, json
+from django.core.management import call_command
+from orders.tasks import record_charge
+status, relayed = io.StringIO(), io.StringIO()
+again = record_charge.delay("ORD-C", 5000).id   # its lock gone: the gate lets it through
+call_command("taskdedup_relay", "--once", "--grace", "0", stdout=relayed)
+call_command("taskdedup_outbox_status", stdout=status)
+print(json.dumps({"again": again, "relayed": relayed.getvalue(), "status": status.getvalue()}))
+"""
+
+
+def _charges(project: Project) -> dict[str, int]:
+    return {ref: n for ref, n in project.rows(
+        "select order_ref, count(*) from orders_charge group by order_ref")}
+
+
+def _rq_status(project: Project, job_id: str) -> bytes | None:
+    return project.broker.hget(f"rq:job:{job_id}", "status")  # type: ignore[return-value]
+
+
+def test_outbox_commit_publishes_once_rollback_and_savepoint_send_nothing(
+    project: Project,
+) -> None:
+    from taskdedup.testing import free_port
+
+    worker = project.celery()
+    with project.engine.begin() as conn:  # this test's rows only
+        conn.execute(sa.text("delete from taskdedup_outbox"))
+    out = project.shell(_PLACE.format(dead_port=free_port()))
+    assert out["left"] == 0, out
+    assert "transaction.atomic" in out["outside"]
+    assert out["rows"] == [out["failed"]]  # the rolled-back calls left no row
+    assert out["failed"] in out["warned"] and "relay" in out["warned"], out["warned"]
+    assert "ORD-F" not in out["warned"]  # ids and targets, never argument values
+    wait_for(lambda: project.celery_done(out["celery"]) and project.celery_done(out["kept"]),
+             timeout=60, what="the committed Celery calls ran")
+    assert project.celery_done(out["celery"])["result"] == {"charged": 5000}  # type: ignore[index]
+    assert project.broker.get(f"celery-task-meta-{out['dropped']}") is None
+
+    # The Redis window gone (its locks flushed), the same call runs again in the worker:
+    # effects() finds the committed row and does nothing. The relay publishes the row whose
+    # publish failed at the commit.
+    redis.Redis.from_url(project.env["DEDUP_REDIS_URL"]).flushdb()
+    again = project.shell(_AGAIN)
+    assert again["relayed"].strip() == "taskdedup relay: 1 row(s) taken", again
+    assert "0 row(s) waiting" in again["status"], again
+    wait_for(lambda: project.celery_done(again["again"]), timeout=60, what="the second run")
+    assert project.celery_done(again["again"])["result"] == {  # type: ignore[index]
+        "charged": 5000, "again": True}
+
+    project.run("rqworker", "--burst", "default")
+    assert _rq_status(project, out["rq"]) == b"finished"
+    assert _rq_status(project, out["failed"]) == b"finished"
+    charges = _charges(project)
+    assert [charges.get(ref) for ref in ("ORD-C", "ORD-R", "ORD-S", "ORD-F")] == [1, 1, 1, 1]
+    assert "ORD-X" not in charges and "ORD-Y" not in charges and "ORD-Z" not in charges
+    assert worker.process is not None
+
+
+# -- a producer killed between its commit and its publish --------------------------------
+
+_KILLED = """
+import json, os, signal
+from django.db import transaction
+from orders.services import place_order
+with transaction.atomic():
+    transaction.on_commit(lambda: os.kill(os.getpid(), signal.SIGKILL))  # before the publish
+    ids = [place_order("ORD-K", 11), place_order("ORD-KR", 12, via="rq")]
+    print(json.dumps(ids), flush=True)
+"""
+
+
+def test_relay_publishes_what_a_killed_producer_committed_and_stops_on_sigterm(
+    project: Project,
+) -> None:
+    worker = project.celery()
+    with project.engine.begin() as conn:  # this test's rows only
+        conn.execute(sa.text("delete from taskdedup_outbox"))
+    killed = project.run("shell", "-c", _KILLED, check=False)
+    assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
+    celery_id, rq_id = json.loads(killed.stdout.strip().splitlines()[-1])
+    assert sorted(r[0] for r in project.rows("select id from taskdedup_outbox")) == sorted(
+        [celery_id, rq_id])  # committed, never published
+
+    status = json.loads(project.run("taskdedup_outbox_status", "--json").stdout)
+    assert status["rows"] == 2 and status["failing"] == 0, status
+    assert {(t["kind"], t["target"]) for t in status["targets"]} == {
+        ("celery", "orders.tasks.record_charge"), ("rq", "default")}
+
+    relay = project.popen("taskdedup_relay", "--grace", "0", "--poll", "0.2")
+    try:
+        wait_for(lambda: not project.rows("select id from taskdedup_outbox")
+                 or relay.poll() is not None, timeout=60, what="the relay published both")
+        assert relay.poll() is None
+        relay.send_signal(signal.SIGTERM)
+        output, _ = relay.communicate(timeout=30)
+    finally:
+        if relay.poll() is None:
+            relay.kill()
+    assert relay.returncode == 0, output
+    assert "stopped" in output, output
+    wait_for(lambda: project.celery_done(celery_id), timeout=60, what="the relayed task ran")
+    project.run("rqworker", "--burst", "default")
+    assert _rq_status(project, rq_id) == b"finished"
+    assert _charges(project).get("ORD-K") == 1 and _charges(project).get("ORD-KR") == 1
+    assert worker.process is not None

@@ -41,7 +41,7 @@ class Command(BaseCommand):  # type: ignore[misc]
         relay = Relay(DjangoRowSource(options["database"]), publisher(),
                       batch=options["batch"], grace=options["grace"], poll=options["poll"])
         if options["once"]:
-            self.stdout.write(f"published {relay.run_once()}")
+            self.stdout.write(f"taskdedup relay: {relay.run_once()} row(s) taken")
             return
         stop = threading.Event()
 
