@@ -13,6 +13,7 @@ from .approximate import Approximate
 from .core import Deduplicator
 from .events import DedupEvent, Event
 from .exceptions import (
+    BusyTimeoutError,
     ConfigurationError,
     DuplicateTaskError,
     IdempotencyKeyMismatch,
@@ -22,6 +23,7 @@ from .exceptions import (
 from .identity import FINGERPRINT_VERSION, fingerprint, register_canonical
 from .policy import (
     Mode,
+    OnBusy,
     OnDuplicate,
     OnStoreError,
     Policy,
@@ -45,6 +47,7 @@ __all__ = [
     # Policy
     "Policy",
     "Mode",
+    "OnBusy",
     "OnDuplicate",
     "OnStoreError",
     "Approximate",
@@ -65,6 +68,7 @@ __all__ = [
     "DuplicateTaskError",
     "StoreUnavailableError",
     "IdempotencyKeyMismatch",
+    "BusyTimeoutError",
     "ConfigurationError",
     "__version__",
 ]

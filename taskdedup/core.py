@@ -29,7 +29,7 @@ from .exceptions import (
     StoreUnavailableError,
 )
 from .identity import fingerprint, fingerprint_value
-from .policy import Mode, OnDuplicate, OnStoreError, Policy
+from .policy import Mode, OnBusy, OnDuplicate, OnStoreError, Policy
 from .stores.base import LockResult, LockState, Outcome, Store
 
 __all__ = [
@@ -65,6 +65,10 @@ class Verdict(StrEnum):
     DEFERRED = "deferred"
     """Worker only: this very id runs now (another copy of its message, its lease live): do
     not run, do not fail, do not count a retry; try again later (SPEC §5)."""
+    WAITING = "waiting"
+    """Worker only: another id runs this identity now and the policy says
+    ``on_busy="wait"``: put this execution off as :attr:`DEFERRED` (same republish, not a
+    retry) until the other has finished (SPEC §15); ``existing_id`` is the holder."""
     FINISHED = "finished"
     """Worker only: this very id already succeeded (a redelivery after success): end without
     a new outcome, no result, no callbacks (SPEC §5)."""
@@ -376,6 +380,12 @@ class Deduplicator:
             logger.info("taskdedup: %s[%s] is running in another copy of its message (a "
                         "broker redelivery while it runs): this copy waits", name, owner)
             return StartResult(Verdict.DEFERRED, owner, result.state)
+        if (policy.on_busy is OnBusy.WAIT and result.state is LockState.RUNNING
+                and result.owner != owner):
+            self._emit(Event.DEFERRED, name, key, owner, result.owner, "busy")
+            logger.debug("taskdedup: %s[%s] waits: identity %s is running by %s",
+                         name, owner, key, result.owner)
+            return StartResult(Verdict.WAITING, result.owner, result.state)
         state = result.state.value if result.state else "?"
         self._emit(Event.SKIPPED, name, key, owner, result.owner, state)
         if result.owner == owner:

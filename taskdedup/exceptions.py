@@ -10,6 +10,7 @@ This module imports nothing else of the package.
 from __future__ import annotations
 
 __all__ = [
+    "BusyTimeoutError",
     "ConfigurationError",
     "DuplicateTaskError",
     "IdempotencyKeyMismatch",
@@ -80,3 +81,27 @@ class ConfigurationError(TaskDedupError, ValueError):
 
     Raised at declaration time (task decorator, queue constructor), never mid-flight.
     """
+
+
+class BusyTimeoutError(TaskDedupError):
+    """A call that waited for a busy identity (``on_busy="wait"``) gave up at
+    ``busy_timeout``; its body did not run.
+
+    Attributes:
+        key: the Redis key of the identity.
+        holder_id: the task/job id that held it when the wait ended.
+        waited: seconds the call waited.
+    """
+
+    def __init__(self, key: str, holder_id: str | None = None, waited: float = 0.0,
+                 message: str | None = None) -> None:
+        self.key = key
+        self.holder_id = holder_id
+        self.waited = waited
+        self.message = message or (
+            f"waited {waited:.1f}s for the busy identity {key}, held by task id "
+            f"{holder_id!r}, and gave up (busy_timeout); this call did not run")
+        super().__init__(key, holder_id, waited, self.message)  # rebuilt as cls(*args)
+
+    def __str__(self) -> str:
+        return self.message

@@ -21,6 +21,7 @@ from .exceptions import ConfigurationError
 __all__ = [
     "MAX_DURATION_MS",
     "Mode",
+    "OnBusy",
     "OnDuplicate",
     "OnStoreError",
     "Policy",
@@ -64,6 +65,17 @@ class OnDuplicate(StrEnum):
     """``None``; logged at DEBUG (it is counted: ``taskdedup stats``)."""
     REPLACE = "replace"
     """Debounce: the queued original is revoked and the new call takes its place."""
+
+
+class OnBusy(StrEnum):
+    """What an execution does when it finds another run of its identity in progress
+    (SPEC §15)."""
+
+    SKIP = "skip"
+    """End without running, as a skipped duplicate (the default)."""
+    WAIT = "wait"
+    """Put off (republished later, not a retry, no worker slot held) until the other run
+    has finished, then run with its own arguments."""
 
 
 class OnStoreError(StrEnum):
@@ -166,6 +178,12 @@ def _known_fields(kind: str, value: Mapping[str, Any], known: set[str]) -> None:
         )
 
 
+def _busy_timeout(value: Duration | None) -> float | None:
+    if value is None:
+        return None
+    return _seconds("busy_timeout", value)
+
+
 def _window(value: Any) -> Approximate | None:
     if value is None or isinstance(value, Approximate):
         return value
@@ -199,6 +217,11 @@ class Policy:
             :class:`~taskdedup.Approximate` (only with ``mode="until_expired"``): the window
             is remembered in rotating Bloom filters, ~1-2 bytes per identity, with a bounded
             false-positive rate (a dict of its fields is accepted too).
+        on_busy: ``skip`` (default) or ``wait``: an execution that finds another run of
+            its identity in progress waits for it instead of being skipped (SPEC §15; not
+            with ``until_executing``, which gates no execution).
+        busy_timeout: with ``on_busy="wait"``, seconds (or timedelta) after which a waiting
+            call ends FAILURE with :class:`~taskdedup.BusyTimeoutError`, without running.
     """
 
     mode: Mode = Mode.UNTIL_EXPIRED
@@ -211,6 +234,8 @@ class Policy:
     on_duplicate: OnDuplicate = OnDuplicate.RETURN
     on_store_error: OnStoreError = OnStoreError.RAISE
     window: Approximate | None = None
+    on_busy: OnBusy = OnBusy.SKIP
+    busy_timeout: float | None = None
 
     def __init__(
         self,
@@ -224,6 +249,8 @@ class Policy:
         on_duplicate: OnDuplicate | str = OnDuplicate.RETURN,
         on_store_error: OnStoreError | str = OnStoreError.RAISE,
         window: Approximate | Mapping[str, Any] | None = None,
+        on_busy: OnBusy | str = OnBusy.SKIP,
+        busy_timeout: Duration | None = None,
     ) -> None:
         set_ = object.__setattr__
         set_(self, "mode", _enum(Mode, "mode", mode))
@@ -238,6 +265,8 @@ class Policy:
         set_(self, "on_duplicate", _enum(OnDuplicate, "on_duplicate", on_duplicate))
         set_(self, "on_store_error", _enum(OnStoreError, "on_store_error", on_store_error))
         set_(self, "window", _window(window))
+        set_(self, "on_busy", _enum(OnBusy, "on_busy", on_busy))
+        set_(self, "busy_timeout", _busy_timeout(busy_timeout))
         self._validate()
 
     def _validate(self) -> None:
@@ -262,6 +291,21 @@ class Policy:
                 f"Policy(mode='while_executing', on_duplicate={self.on_duplicate.value!r}): "
                 "while_executing does not gate the enqueue, so on_duplicate never applies; "
                 "use mode='until_executed' (or 'until_executing' for replace) instead"
+            )
+
+        self._validate_busy()
+
+    def _validate_busy(self) -> None:
+        if self.on_busy is OnBusy.WAIT and not self.mode.gates_execution:
+            raise ConfigurationError(
+                f"Policy(mode={self.mode.value!r}, on_busy='wait'): this mode gates no "
+                "execution, so no call ever finds its identity busy; use "
+                "mode='while_executing' or 'until_executed', or drop on_busy"
+            )
+        if self.busy_timeout is not None and self.on_busy is not OnBusy.WAIT:
+            raise ConfigurationError(
+                "Policy(busy_timeout=...): only a waiting call times out; give "
+                "on_busy='wait' or drop busy_timeout"
             )
 
     @property

@@ -24,10 +24,15 @@ from celery import Celery, Task, states
 from celery.exceptions import Ignore, Retry
 from celery.signals import after_task_publish, before_task_publish
 
-from .. import running
+from .. import flow, running
 from ..core import Identity, Verdict, copy_wait, resolve_duplicate, skipped_of, skipped_value
 from ..events import logger
-from ..exceptions import ConfigurationError, DuplicateTaskError, StoreUnavailableError
+from ..exceptions import (
+    BusyTimeoutError,
+    ConfigurationError,
+    DuplicateTaskError,
+    StoreUnavailableError,
+)
 from ..policy import MAX_DURATION_MS, OnDuplicate, Policy, is_disabled
 from ..running import Running
 from ..stores.base import LockState
@@ -451,6 +456,9 @@ class DedupTask(Task):  # type: ignore[misc]
         if verdict is Verdict.DEFERRED:
             setattr(request, STATE_ATTR, SKIPPED)
             raise self._defer(policy)
+        if verdict is Verdict.WAITING:
+            setattr(request, STATE_ATTR, SKIPPED)
+            raise self._wait(policy, key, result.existing_id)
         if verdict is Verdict.FINISHED:
             setattr(request, STATE_ATTR, SKIPPED)
             raise Ignore()  # acked: no result, no event, no callbacks, nothing propagated
@@ -500,20 +508,53 @@ class DedupTask(Task):  # type: ignore[misc]
         timeout = visibility_timeout(self.app)
         return None if timeout is None else timeout + policy.lease
 
-    def _defer(self, policy: Policy) -> Ignore:
+    def _wait(self, policy: Policy, key: str, holder: str | None) -> BaseException:
+        """``on_busy="wait"`` (SPEC §15): another id runs this identity now; put this call
+        off with the copies' republish (:meth:`_defer`), carrying when its wait started
+        (:data:`taskdedup.flow.WAITING_SINCE`), or end it with :class:`BusyTimeoutError`
+        once it has waited ``busy_timeout``."""
+        request = self.request
+        if request.is_eager:
+            raise ConfigurationError(
+                f"{self.name}[{request.id}] runs eagerly while {holder!r} runs its identity "
+                "and on_busy='wait': an eager call cannot wait; call it when the other ends")
+        headers = request.headers if isinstance(request.headers, Mapping) else {}
+        since = flow.waiting_since(headers.get(flow.WAITING_SINCE, getattr(
+            request, flow.WAITING_SINCE, None)))
+        now = time.time()
+        waited = 0.0 if since is None else max(0.0, now - since)
+        delay = flow.busy_wait(policy, waited, visibility_timeout(self.app))
+        if delay is None:
+            return BusyTimeoutError(key, holder, waited)
+        logger.debug("taskdedup: %s[%s] waits %.1fs more for %s (running by %s)",
+                     self.name, request.id, delay, key, holder)
+        put_off: BaseException = self._defer(
+            policy, delay, {flow.WAITING_SINCE: now if since is None else since})
+        return put_off
+
+    def _defer(
+        self, policy: Policy, delay: float | None = None,
+        headers: Mapping[str, Any] | None = None,
+    ) -> Ignore:
         """Put off this copy of a message whose other copy runs now (SPEC §5): republish the
         very message (same id, same retries: not a retry) for a little later, and end this
         one without an outcome. The delay stays under the visibility timeout (so the broker
         does not copy the republished message again) and under the lease (so a dead
-        original's lapse is noticed soon)."""
+        original's lapse is noticed soon). A waiting call (:meth:`_wait`) comes with its
+        own ``delay`` and ``headers``."""
         request = self.request
         if request.is_eager:
             raise ConfigurationError(
                 f"{self.name}[{request.id}] runs eagerly while another execution of the same "
                 "id holds its lock: give each eager call its own id")
-        delay = copy_wait(policy, visibility_timeout(self.app))
+        if delay is None:
+            delay = copy_wait(policy, visibility_timeout(self.app))
+        extra: dict[str, Any] = {}
+        if headers:
+            current = request.headers if isinstance(request.headers, Mapping) else {}
+            extra["headers"] = {**current, **headers}
         try:
-            self.signature_from_request(request, countdown=delay).apply_async(
+            self.signature_from_request(request, countdown=delay, **extra).apply_async(
                 **{NO_RESERVE: True})
         except Exception as exc:  # the running copy still holds its own message
             logger.warning("taskdedup: could not put off the copy of %s[%s] (%s): it is "

@@ -19,7 +19,7 @@ from ..approximate import Approximate
 from ..core import MAX_KEY_LENGTH, Deduplicator, GateResult, skipped_value
 from ..events import logger
 from ..exceptions import ConfigurationError
-from ..policy import Policy, is_disabled
+from ..policy import OnBusy, Policy, is_disabled
 from .call import job_task
 
 __all__ = [
@@ -29,7 +29,8 @@ __all__ = [
 META_KEY: Final = "taskdedup"
 """``job.meta`` entry: ``{"task", "key", "mode", "ttl", "lease", "on_store_error"}`` (and
 ``"window": [capacity, error_rate, slices, partitions]`` under an approximate window;
-``"scope"``, ``"include"`` or ``"exclude"`` when the policy sets them), or ``{"off": True}``
+``"scope"``, ``"include"``, ``"exclude"``, ``"on_busy"`` or ``"busy_timeout"`` when the
+policy sets them), or ``{"off": True}``
 for a call made with ``dedup=False``; ``"skipped"`` is added to a job whose execution was
 skipped as a duplicate."""
 
@@ -64,20 +65,26 @@ def meta_entry(name: str, key: str, policy: Policy) -> dict[str, Any]:
         entry["include"] = sorted(policy.include)
     if policy.exclude is not None:
         entry["exclude"] = sorted(policy.exclude)
+    if policy.on_busy is not OnBusy.SKIP:
+        entry["on_busy"] = policy.on_busy.value
+        if policy.busy_timeout is not None:
+            entry["busy_timeout"] = policy.busy_timeout
     return entry
 
 
 @functools.lru_cache(maxsize=256)
 def _worker_policy(
     mode: Any, ttl: Any, lease: Any, on_store_error: Any, window: Any = None,
-    scope: Any = None, include: Any = None, exclude: Any = None,
+    scope: Any = None, include: Any = None, exclude: Any = None, on_busy: Any = None,
+    busy_timeout: Any = None,
 ) -> Policy:
     approximate = None
     if window is not None:
         capacity, error_rate, slices, partitions = window
         approximate = Approximate(capacity, error_rate, slices, partitions)
     return Policy(mode=mode, ttl=ttl, lease=lease, on_store_error=on_store_error,
-                  window=approximate, scope=scope, include=include, exclude=exclude)
+                  window=approximate, scope=scope, include=include, exclude=exclude,
+                  on_busy=on_busy or OnBusy.SKIP, busy_timeout=busy_timeout)
 
 
 def _names(value: Any) -> tuple[str, ...] | None:
@@ -101,7 +108,8 @@ def _carried(job: Job) -> tuple[Mapping[str, Any], Policy] | None:
                                 raw.get("on_store_error"),
                                 None if window is None else tuple(window),
                                 raw.get("scope"), _names(raw.get("include")),
-                                _names(raw.get("exclude")))
+                                _names(raw.get("exclude")), raw.get("on_busy"),
+                                raw.get("busy_timeout"))
     except (ConfigurationError, TypeError, ValueError) as exc:
         logger.warning("taskdedup: job %s carries unreadable dedup meta (%s); not guarded",
                        job.id, exc)

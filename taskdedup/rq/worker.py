@@ -15,10 +15,15 @@ from rq.registry import StartedJobRegistry
 from rq.utils import now
 from rq.worker import Worker
 
-from .. import running, stats
+from .. import flow, running, stats
 from ..core import Deduplicator, GateResult, Identity, Verdict, copy_wait
 from ..events import logger
-from ..exceptions import ConfigurationError, StoreUnavailableError, TaskDedupError
+from ..exceptions import (
+    BusyTimeoutError,
+    ConfigurationError,
+    StoreUnavailableError,
+    TaskDedupError,
+)
 from ..policy import MAX_DURATION_MS, Mode
 from ..running import Running
 from ..stores.base import Store
@@ -182,6 +187,8 @@ class DedupWorker(Worker):
         if result.verdict is Verdict.DEFERRED:
             self._defer(job, queue, execution, guard)
             return True
+        if result.verdict is Verdict.WAITING:
+            return self._wait(job, queue, execution, run, guard, result.existing_id)
         if result.verdict is Verdict.FINISHED:
             self._end_finished(job, queue, execution)
             return True
@@ -318,6 +325,29 @@ class DedupWorker(Worker):
         logger.info("taskdedup: %s[%s] %s in %ss (another copy of it is running)",
                     guard.name, job.id, how, delay)
         self._put_back(job, queue, execution, delay, save=False)
+
+    def _wait(
+        self, job: Job, queue: Queue, execution: Execution | None, run: tuple[Any, ...],
+        guard: Guard, holder: str | None,
+    ) -> bool:
+        """``on_busy="wait"`` (SPEC §15): another job runs this identity now. Put this one
+        back for later as a copy is (:meth:`_put_back`: scheduled, same id, not a retry),
+        with when its wait started in its meta (:data:`taskdedup.flow.WAITING_SINCE`); once
+        it has waited ``busy_timeout``, fail it with :class:`BusyTimeoutError`, not run."""
+        meta = job.meta if isinstance(job.meta, dict) else {}
+        since = flow.waiting_since(meta.get(flow.WAITING_SINCE))
+        started = time.time()
+        waited = 0.0 if since is None else max(0.0, started - since)
+        delay = flow.busy_wait(guard.policy, waited)
+        if delay is None:
+            return self._fail(job, queue, run, BusyTimeoutError(guard.key, holder, waited))
+        if since is None:
+            job.meta[flow.WAITING_SINCE] = started  # saved with the job by _put_back
+        how = "rescheduled" if queue.scheduler_pid is not None else "re-queued"
+        logger.debug("taskdedup: %s[%s] %s in %.1fs: its identity is running by %s",
+                     guard.name, job.id, how, delay, holder)
+        self._put_back(job, queue, execution, delay, save=True)
+        return True
 
     def _end_finished(self, job: Job, queue: Queue, execution: Execution | None) -> None:
         """This very job id already succeeded: end this copy without a new outcome (no
