@@ -605,8 +605,11 @@ def _rate(value: float | None) -> str:
 
 def _stats_table(stats: dict[str, TaskStats], where: str) -> Table:
     table = Table(title=_title(f"taskdedup stats at {where}"), title_justify="left")
+    # the second call's answers (SPEC §15): a column only when some task counted one
+    extra = [n for n in ("waits", "coalesced", "superseded")
+             if any(item.second_calls[n] for item in stats.values())]
     for name in ("task", "accepted", "duplicates", "dup rate", "skipped", "released (failure)",
-                 "lease lost", "store errors", "gate avg"):
+                 "lease lost", "store errors", "gate avg", *extra):
         table.add_column(name, justify="left" if name == "task" else "right")
     for item in stats.values():
         avg = item.gate_avg_ms
@@ -615,6 +618,7 @@ def _stats_table(stats: dict[str, TaskStats], where: str) -> Table:
             _rate(item.duplicate_rate), str(item.skipped), str(item.released_on_failure),
             str(item.lease_lost), str(item.store_errors),
             "-" if avg is None else f"{avg:.2f} ms",
+            *(str(item.second_calls[n]) for n in extra),
         )
     return table
 

@@ -5,7 +5,11 @@
 
 * ``taskdedup_events_total{task, event}`` — a counter per event (``reserved``, ``duplicate``,
   ``claimed``, ``skipped``, ``completed``, ``released``, ``lease_lost``, ``store_error``);
-* ``taskdedup_gate_seconds{task}`` — a histogram of the enqueue gate's store call.
+* ``taskdedup_gate_seconds{task}`` — a histogram of the enqueue gate's store call;
+* ``taskdedup_second_calls_total{task, answer}`` — the second call's answers (SPEC §15):
+  ``wait`` (an execution put off because another id ran its identity), ``coalesced`` (a call
+  folded into a running identity's follow-up), ``superseded`` (a debounced call a later one
+  of its burst replaced).
 
 and, for approximate windows (SPEC §12), :func:`attach_windows` registers a collector that
 reads the live slices at scrape time (never on the hot path): per task
@@ -33,7 +37,7 @@ import weakref
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Final
 
-from .events import DedupEvent
+from .events import DedupEvent, Event
 
 if TYPE_CHECKING:
     from .core import Deduplicator
@@ -52,7 +56,13 @@ GATE_BUCKETS: Final = (
 
 # registry → (counter, histogram): one set of metric objects per registry, so two
 # Deduplicators (two apps) in one process do not register the same names twice.
-_METRICS: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDictionary()
+_METRICS: weakref.WeakKeyDictionary[Any, tuple[Any, Any, Any]] = weakref.WeakKeyDictionary()
+# (event, detail) → the second call's answer it counts (SPEC §15)
+_SECOND_CALLS: Final = {
+    (Event.DEFERRED, "busy"): "wait",
+    (Event.DUPLICATE, "coalesced"): "coalesced",
+    (Event.SKIPPED, "superseded"): "superseded",
+}
 _METRICS_LOCK = threading.Lock()
 _ATTACHED: weakref.WeakKeyDictionary[Any, PrometheusListener] = weakref.WeakKeyDictionary()
 
@@ -101,9 +111,15 @@ class PrometheusListener:
                         registry=registry,
                         buckets=GATE_BUCKETS,
                     ),
+                    prometheus.Counter(
+                        "taskdedup_second_calls",
+                        "The second call's answers by task (wait, coalesced, superseded).",
+                        ("task", "answer"),
+                        registry=registry,
+                    ),
                 )
                 _METRICS[registry] = metrics
-        self.events_total, self.gate_seconds = metrics
+        self.events_total, self.gate_seconds, self.second_calls = metrics
         # Label lookups take a lock in prometheus_client; the children are cached here.
         self._counters: dict[tuple[str, str], Any] = {}
         self._histograms: dict[str, Any] = {}
@@ -116,6 +132,9 @@ class PrometheusListener:
                 event.task, name
             )
         counter.inc()
+        answer = _SECOND_CALLS.get((event.event, event.detail or ""))
+        if answer is not None:
+            self.second_calls.labels(event.task, answer).inc()
         if event.seconds is not None:
             histogram = self._histograms.get(event.task)
             if histogram is None:

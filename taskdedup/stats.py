@@ -449,6 +449,29 @@ class TaskStats:
         return self.get("skipped")
 
     @property
+    def waits(self) -> int:
+        """Executions put off because another id ran their identity (``on_busy="wait"``):
+        one per put-off, so a call that waited three times counts three."""
+        return self.get("deferred:busy")
+
+    @property
+    def coalesced(self) -> int:
+        """Calls of a running identity folded into its one follow-up
+        (``on_duplicate="coalesce"``)."""
+        return self.get("duplicate:coalesced")
+
+    @property
+    def superseded(self) -> int:
+        """Debounced calls that ended without running: a later call of their burst won."""
+        return self.get("skipped:superseded")
+
+    @property
+    def second_calls(self) -> dict[str, int]:
+        """``{"waits", "coalesced", "superseded"}`` (SPEC §15)."""
+        return {"waits": self.waits, "coalesced": self.coalesced,
+                "superseded": self.superseded}
+
+    @property
     def released_on_failure(self) -> int:
         """Locks released after a final failure (see :data:`FAILURE_REASONS`)."""
         return sum(self.get(f"released:{reason}") for reason in FAILURE_REASONS)
@@ -486,6 +509,9 @@ class TaskStats:
             "duplicate_rate": self.duplicate_rate,
             "skipped": self.skipped,
             "completed": self.get("completed"),
+            "waits": self.waits,
+            "coalesced": self.coalesced,
+            "superseded": self.superseded,
             "released_on_failure": self.released_on_failure,
             "lease_lost": self.lease_lost,
             "store_errors": self.store_errors,

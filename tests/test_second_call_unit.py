@@ -143,3 +143,37 @@ def test_rq_meta_carries_on_busy_and_busy_timeout_to_the_worker() -> None:
                           None, None, None, None, entry["on_busy"], entry["busy_timeout"])
     assert back.on_busy is OnBusy.WAIT and back.busy_timeout == 7
     assert "on_busy" not in meta_entry("t", "k", Policy())
+
+
+# -- counting ----------------------------------------------------------------------------------
+
+
+def test_stats_count_waits_and_show_them_when_there_are_some() -> None:
+    from taskdedup.cli import _stats_table
+    from taskdedup.stats import TaskStats
+    from taskdedup.web.render import stats_table
+
+    item = TaskStats("t", {"deferred": 3, "deferred:busy": 2, "duplicate:coalesced": 1})
+    assert (item.waits, item.coalesced, item.superseded) == (2, 1, 0)
+    assert item.as_dict()["waits"] == 2
+    columns = [c.header for c in _stats_table({"t": item}, "here").columns]
+    assert columns[-2:] == ["waits", "coalesced"]
+    plain = [c.header for c in _stats_table({"t": TaskStats("t", {"skipped": 1})},
+                                            "here").columns]
+    assert "waits" not in plain
+    assert "waits" in stats_table({"t": item}, {}, "5m")
+
+
+def test_prometheus_counts_the_second_calls_answers() -> None:
+    prometheus = pytest.importorskip("prometheus_client")
+    from taskdedup.metrics import PrometheusListener
+
+    registry = prometheus.CollectorRegistry()
+    listener = PrometheusListener(registry)
+    listener(DedupEvent(Event.DEFERRED, "t", "k", "b", "a", "busy"))
+    listener(DedupEvent(Event.DEFERRED, "t", "k", "b", "b", "copy"))
+    value = registry.get_sample_value("taskdedup_second_calls_total",
+                                      {"task": "t", "answer": "wait"})
+    assert value == 1.0
+    assert registry.get_sample_value("taskdedup_events_total",
+                                     {"task": "t", "event": "deferred"}) == 2.0

@@ -136,6 +136,9 @@ def _rate(value: float | None) -> str:
 def stats_table(stats: Mapping[str, TaskStats], window: Mapping[str, Mapping[str, int]],
                 window_text: str) -> str:
     rows = []
+    # the second call's answers (SPEC §15): a column only when some task counted one
+    extra = [n for n in ("waits", "coalesced", "superseded")
+             if any(item.second_calls[n] for item in stats.values())]
     for name, item in stats.items():
         recent = window.get(name, {})
         lost, errors = item.lease_lost, item.store_errors
@@ -143,11 +146,12 @@ def stats_table(stats: Mapping[str, TaskStats], window: Mapping[str, Mapping[str
             esc(name), str(item.accepted), str(item.duplicates), _rate(item.duplicate_rate),
             str(item.skipped), str(item.released_on_failure),
             _flag(lost, recent.get("lease_lost")), _flag(errors, recent.get("store_errors")),
+            *(str(item.second_calls[n]) for n in extra),
         ])
     return table(
         ["task", "accepted", "duplicates", "dup rate", "skipped", "released (failure)",
-         f"lease lost (+{window_text})", f"store errors (+{window_text})"],
-        rows, numeric=(1, 2, 3, 4, 5, 6, 7), table_id="stats",
+         f"lease lost (+{window_text})", f"store errors (+{window_text})", *extra],
+        rows, numeric=tuple(range(1, 8 + len(extra))), table_id="stats",
         empty="no stats flushed yet (producers and workers flush them every few seconds)",
     )
 
