@@ -26,7 +26,7 @@ import nox
 
 nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.reuse_existing_virtualenvs = True
-nox.options.sessions = ["tests", "compat"]
+nox.options.sessions = ["tests", "compat", "package"]
 
 PYPROJECT = nox.project.load_toml("pyproject.toml")
 TEST_DEPS = nox.project.dependency_groups(PYPROJECT, "test")
@@ -181,3 +181,25 @@ def compat(session: nox.Session, combo: Combo) -> None:
     """The real-server, real-worker subset on an older supported combination."""
     _install(session, combo)
     session.run("python", "-m", "pytest", *PARALLEL, *SUBSET, *session.posargs)
+
+
+@nox.session(python=newest_interpreter())
+def package(session: nox.Session) -> None:
+    """Build the sdist and the wheel, check them, install the wheel into a fresh venv with the
+    ``demo`` extra and run ``taskdedup demo`` from it (away from the checkout)."""
+    session.install("build[uv]", "twine")
+    dist = Path(session.create_tmp()).resolve() / "dist"
+    shutil.rmtree(dist, ignore_errors=True)
+    session.run("python", "-m", "build", "--outdir", str(dist), "--installer", "uv")
+    session.run("twine", "check", "--strict", *map(str, sorted(dist.iterdir())))
+    wheel = next(dist.glob("taskdedup-*.whl"))
+    session.run("python", "tools/check_wheel.py", str(wheel), str(next(dist.glob("*.tar.gz"))))
+    venv = dist.parent / "wheel-venv"
+    shutil.rmtree(venv, ignore_errors=True)
+    session.run("uv", "venv", "-q", "--python", session.virtualenv.interpreter or "python3",
+                str(venv), external=True)
+    python = str(venv / "bin" / "python")
+    session.run("uv", "pip", "install", "-q", "--python", python, f"{wheel}[demo]",
+                external=True)
+    with session.chdir(venv):  # away from the checkout: the wheel's own files
+        session.run(python, "-m", "taskdedup", "demo", external=True, env={"COLUMNS": "120"})
