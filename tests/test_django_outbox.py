@@ -48,20 +48,13 @@ if _MISSING:
 import sqlalchemy as sa  # noqa: E402
 
 from taskdedup.sql import table  # noqa: E402
+from taskdedup.sql.outbox import backlog  # noqa: E402
+from taskdedup.sql.schema import outbox_table  # noqa: E402
 from taskdedup.sql.statements import READ  # noqa: E402
 from tests.sqldb import postgres_url  # noqa: E402
 from tests.test_django import ProjectCeleryWorker  # noqa: E402
 
 pytestmark = pytest.mark.slow
-
-# The outbox table as taskdedup/outbox/DESIGN.md fixes it (the SQLAlchemy tier's, too).
-OUTBOX_COLUMNS = {
-    "id": ("TEXT", False, True), "kind": ("VARCHAR", False, False),
-    "target": ("VARCHAR", False, False), "body": ("TEXT", False, False),
-    "created": ("DATETIME", False, False), "next_attempt": ("DATETIME", False, False),
-    "attempts": ("INTEGER", False, False), "last_error": ("TEXT", True, False),
-}
-
 
 def _url(base: str, db: int) -> str:
     return base.rsplit("/", 1)[0] + f"/{db}" if base.count("/") > 2 else f"{base}/{db}"
@@ -165,25 +158,28 @@ def project(request: pytest.FixtureRequest, redis_url: str,
 # -- migrate ------------------------------------------------------------------------------
 
 
+def _generic(kind: Any) -> str:
+    """A column type by its generic name: reflected (TEXT, VARCHAR, TIMESTAMP, ...) or
+    defined (Text, String, DateTime, ...)."""
+    name = type(kind).__name__.upper()
+    return {"TIMESTAMP": "DATETIME", "STRING": "VARCHAR"}.get(name, name)
+
+
 def _columns(inspector: Any, name: str) -> dict[str, tuple[str, bool, bool]]:
     pk = set(inspector.get_pk_constraint(name)["constrained_columns"])
-    found = {}
-    for column in inspector.get_columns(name):
-        kind = type(column["type"]).__name__.upper()
-        kind = {"TIMESTAMP": "DATETIME"}.get(kind, kind)  # PostgreSQL's timestamptz
-        found[column["name"]] = (kind, bool(column["nullable"]), column["name"] in pk)
-    return found
+    return {c["name"]: (_generic(c["type"]), bool(c["nullable"]), c["name"] in pk)
+            for c in inspector.get_columns(name)}
 
 
 def test_migrate_creates_the_sqlalchemy_tiers_tables(project: Project) -> None:
     """Column for column the SQLAlchemy tier's tables (reflected, compared with
     ``taskdedup.sql.table``'s), with its index names, and nothing else of Django's."""
     inspector = sa.inspect(project.engine)
-    wanted = {c.name: (type(c.type).__name__.upper(), bool(c.nullable), c.primary_key)
-              for c in table(sa.MetaData()).columns}
-    assert wanted["created"][0] == "DATETIME" and wanted["result"][0] == "JSON"
-    assert _columns(inspector, "taskdedup_effects") == wanted
-    assert _columns(inspector, "taskdedup_outbox") == OUTBOX_COLUMNS
+    for name, defined in (("taskdedup_effects", table(sa.MetaData())),
+                          ("taskdedup_outbox", outbox_table(sa.MetaData()))):
+        wanted = {c.name: (_generic(c.type), bool(c.nullable), c.primary_key)
+                  for c in defined.columns}
+        assert _columns(inspector, name) == wanted, name
     outbox = {c["name"]: c for c in inspector.get_columns("taskdedup_outbox")}
     assert outbox["kind"]["type"].length == 16 and outbox["target"]["type"].length == 255
     assert str(outbox["attempts"]["default"]).strip("'()") == "0"
@@ -510,8 +506,11 @@ def test_relay_publishes_what_a_killed_producer_committed_and_stops_on_sigterm(
 
     status = json.loads(project.run("taskdedup_outbox_status", "--json").stdout)
     assert status["rows"] == 2 and status["failing"] == 0, status
-    assert {(t["kind"], t["target"]) for t in status["targets"]} == {
-        ("celery", "orders.tasks.record_charge"), ("rq", "default")}
+    targets = {("celery", "orders.tasks.record_charge"), ("rq", "default")}
+    assert {(t["kind"], t["target"]) for t in status["targets"]} == targets
+    # the SQLAlchemy tier reads the rows the Django app wrote (one table for both)
+    assert {(b.kind, b.target, b.rows) for b in backlog(project.engine)} == {
+        (*t, 1) for t in targets}
 
     relay = project.popen("taskdedup_relay", "--grace", "0", "--poll", "0.2")
     try:
@@ -530,3 +529,19 @@ def test_relay_publishes_what_a_killed_producer_committed_and_stops_on_sigterm(
     assert _rq_status(project, rq_id) == b"finished"
     assert _charges(project).get("ORD-K") == 1 and _charges(project).get("ORD-KR") == 1
     assert worker.process is not None
+
+
+def test_the_wheel_ships_the_migrations_and_the_commands() -> None:
+    """pyproject.toml's package discovery (``taskdedup*``) finds the app's migrations and
+    management commands as packages, so ``pip install taskdedup`` can migrate and relay."""
+    import tomllib
+
+    from setuptools import find_packages
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    include = config["tool"]["setuptools"]["packages"]["find"]["include"]
+    found = set(find_packages(str(ROOT), include=include))
+    assert {"taskdedup.django", "taskdedup.django.migrations", "taskdedup.django.management",
+            "taskdedup.django.management.commands"} <= found
+    shipped = {p.name for p in (ROOT / "taskdedup" / "django" / "migrations").glob("0*.py")}
+    assert shipped == {"0001_initial.py"}
