@@ -35,10 +35,10 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final, overload
 
 import sqlalchemy as sa
 from sqlalchemy import event
@@ -47,9 +47,12 @@ from sqlalchemy.orm import Session
 from ..exceptions import ConfigurationError
 from ..outbox import Backlog, Envelope, Publisher, PublishError, Row, pack
 from ..outbox.envelope import CELERY
-from .recorder import _autocommit, _connection
+from .recorder import _autocommit, _connection, _is_async
 from .schema import OUTBOX
 from .statements import for_dialect
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 __all__ = ["SqlRows", "add", "backlog", "envelope_of", "insert_row", "register"]
 
@@ -102,9 +105,16 @@ def insert_row(envelope: Envelope, now: datetime | None = None) -> tuple[sa.Exec
                      "attempts": 0, "last_error": None}
 
 
-def add(conn: sa.Connection | Session, target: Any, *args: Any, **kwargs: Any) -> str:
+@overload
+def add(conn: AsyncConnection | AsyncSession, target: Any, *args: Any,
+        **kwargs: Any) -> Coroutine[Any, Any, str]: ...
+@overload
+def add(conn: sa.Connection | Session, target: Any, *args: Any, **kwargs: Any) -> str: ...
+def add(conn: Any, target: Any, *args: Any, **kwargs: Any) -> Any:
     """Write the call ``target(*args, **kwargs)`` into ``conn``'s transaction; it is
-    published after the commit. Returns the id the task/job will run under.
+    published after the commit. Returns the id the task/job will run under. On asyncio
+    SQLAlchemy (an ``AsyncConnection``/``AsyncSession``) it is awaited: ``await
+    outbox.add(aconn, ...)`` (:mod:`taskdedup.sql.outbox_async`).
 
     Args:
         conn: a SQLAlchemy 2 ``Connection`` or ORM ``Session`` in the caller's transaction
@@ -120,6 +130,10 @@ def add(conn: sa.Connection | Session, target: Any, *args: Any, **kwargs: Any) -
             target without a dedup policy, an argument its serializer refuses.
         TypeError: arguments without an identity.
     """
+    if _is_async(conn):
+        from .outbox_async import add as add_async
+
+        return add_async(conn, target, *args, **kwargs)
     connection = _connection(conn)
     if _autocommit(connection):
         raise ConfigurationError(
