@@ -21,6 +21,7 @@ from .exceptions import (
     TaskDedupError,
 )
 from .identity import FINGERPRINT_VERSION, fingerprint, register_canonical
+from .limits import Concurrency, OnLimit, Rate, RateLimitedError
 from .policy import (
     Mode,
     OnBusy,
@@ -55,6 +56,10 @@ __all__ = [
     "disabled",
     "enable",
     "is_disabled",
+    # Limits (SPEC §16)
+    "Concurrency",
+    "Rate",
+    "OnLimit",
     # Engine and stores
     "Deduplicator",
     "Store",
@@ -69,6 +74,7 @@ __all__ = [
     "StoreUnavailableError",
     "IdempotencyKeyMismatch",
     "BusyTimeoutError",
+    "RateLimitedError",
     "ConfigurationError",
     "__version__",
 ]

@@ -112,6 +112,8 @@ class MemoryStore:
         self._data: dict[str, tuple[str, float]] = {}
         # approximate windows: slice key -> its bitmap and tail
         self._slices: dict[str, _Slice] = {}
+        # per-key limits: a limit's set -> member -> score (clock seconds)
+        self._zsets: dict[str, dict[str, float]] = {}
 
     def __repr__(self) -> str:
         return f"<MemoryStore {len(self._data)} keys>"
@@ -360,6 +362,72 @@ class MemoryStore:
                 return Outcome.NOT_OWNER
             del self._data[key]
             return Outcome.OK
+
+    # -- per-key limits (the contract of RedisStore's limit scripts) -------------------------
+
+    def _zset(self, key: str, now: float) -> dict[str, float]:
+        """The live members of a limit's set (member -> score in clock seconds); lapsed
+        ones are dropped as the scripts drop them."""
+        members = self._zsets.get(key)
+        if members is None:
+            members = self._zsets[key] = {}
+        return members
+
+    def slot_acquire(self, key: str, holder: str, limit: int, lease_ms: int) -> tuple[bool, int]:
+        """See :meth:`taskdedup.stores.RedisStore.slot_acquire`."""
+        check_owner(holder)
+        check_ms("lease_ms", lease_ms)
+        with self._lock:
+            now = self._clock()
+            slots = self._zset(key, now)
+            for member in [m for m, until in slots.items() if until <= now]:
+                del slots[member]
+            if holder in slots or len(slots) < limit:
+                slots[holder] = now + lease_ms / 1000
+                return True, len(slots)
+            return False, max(1, round((min(slots.values()) - now) * 1000))
+
+    def slot_heartbeat(self, key: str, holder: str, lease_ms: int) -> Outcome:
+        """See :meth:`taskdedup.stores.RedisStore.slot_heartbeat`."""
+        check_owner(holder)
+        check_ms("lease_ms", lease_ms)
+        with self._lock:
+            now = self._clock()
+            slots = self._zset(key, now)
+            until = slots.get(holder)
+            if until is None or until <= now:
+                slots.pop(holder, None)
+                return Outcome.NOT_OWNER
+            slots[holder] = now + lease_ms / 1000
+            return Outcome.OK
+
+    def slot_release(self, key: str, holder: str) -> Outcome:
+        """See :meth:`taskdedup.stores.RedisStore.slot_release`."""
+        check_owner(holder)
+        with self._lock:
+            slots = self._zsets.get(key, {})
+            return Outcome.OK if slots.pop(holder, None) is not None else Outcome.NOT_OWNER
+
+    def rate_acquire(self, key: str, member: str, limit: int, per_ms: int) -> tuple[bool, int]:
+        """See :meth:`taskdedup.stores.RedisStore.rate_acquire`."""
+        check_owner(member)
+        check_ms("per_ms", per_ms)
+        with self._lock:
+            now = self._clock()
+            starts = self._zset(key, now)
+            per = per_ms / 1000
+            for old in [m for m, at in starts.items() if at <= now - per]:
+                del starts[old]
+            if len(starts) < limit:
+                starts[member] = now
+                return True, len(starts)
+            return False, max(1, round((min(starts.values()) + per - now) * 1000))
+
+    def slot_count(self, key: str) -> int:
+        """Live members of a limit's set (what ``ZCOUNT key now +inf`` says in Redis)."""
+        with self._lock:
+            now = self._clock()
+            return sum(1 for until in self._zsets.get(key, {}).values() if until > now)
 
     def get(self, key: str) -> LockInfo | None:
         """Read one lock, or None when absent or not written by taskdedup.

@@ -58,6 +58,7 @@ except ImportError:  # pragma: no cover - redis[hiredis] is a dependency
 
 _SCRIPT_NAMES = (
     "reserve", "replace", "claim", "heartbeat", "complete", "release", "get", "enqueue",
+    "limit_acquire", "limit_heartbeat", "limit_release", "rate_acquire",
 )
 
 
@@ -432,6 +433,39 @@ class RedisStore:
         check_owner(owner)
         only = "Q" if only_queued else ""
         return _OUTCOMES[self._eval(self._release, "release", key, owner, only)]
+
+    # -- per-key limits (SPEC §16: taskdedup.limits) -----------------------------------------
+
+    def slot_acquire(self, key: str, holder: str, limit: int, lease_ms: int) -> tuple[bool, int]:
+        """Take a slot of a concurrency limit (``limit_acquire.lua``): ``(True, holders)``,
+        or ``(False, ms until the earliest holder's lease ends)``."""
+        check_owner(holder)
+        check_ms("lease_ms", lease_ms)
+        taken, figure = self._eval(self._scripts["limit_acquire"], "take a slot of", key,
+                                   holder, limit, lease_ms)
+        return bool(taken), int(figure)
+
+    def slot_heartbeat(self, key: str, holder: str, lease_ms: int) -> Outcome:
+        """Renew a slot's lease (``limit_heartbeat.lua``): OK, or NOT_OWNER when it lapsed."""
+        check_owner(holder)
+        check_ms("lease_ms", lease_ms)
+        return _OUTCOMES[self._eval(self._scripts["limit_heartbeat"], "renew the slot of",
+                                    key, holder, lease_ms)]
+
+    def slot_release(self, key: str, holder: str) -> Outcome:
+        """Give back a slot, or take back a rate limit's start (``limit_release.lua``)."""
+        check_owner(holder)
+        return _OUTCOMES[self._eval(self._scripts["limit_release"], "give back the slot of",
+                                    key, holder)]
+
+    def rate_acquire(self, key: str, member: str, limit: int, per_ms: int) -> tuple[bool, int]:
+        """Record a start under a rate limit (``rate_acquire.lua``): ``(True, starts in the
+        window)``, or ``(False, ms until the window has room)``, nothing written."""
+        check_owner(member)
+        check_ms("per_ms", per_ms)
+        allowed, figure = self._eval(self._scripts["rate_acquire"], "count a start in", key,
+                                     member, limit, per_ms)
+        return bool(allowed), int(figure)
 
     def get(self, key: str) -> LockInfo | None:
         """Read one lock (value and PTTL atomically, one round trip).

@@ -1,0 +1,208 @@
+"""taskdedup.limits without a framework: declaration, keys, and the slot/rate contract over
+RedisStore (a real server) and MemoryStore (an injected clock)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import redis
+
+import taskdedup
+from taskdedup import limits
+from taskdedup.core import Deduplicator
+from taskdedup.events import Event
+from taskdedup.exceptions import ConfigurationError
+from taskdedup.limits import Concurrency, Rate
+from taskdedup.stores import MemoryStore, RedisStore
+from taskdedup.stores.base import Outcome
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture(params=["memory", "redis"])
+def store(request: pytest.FixtureRequest, redis_client: redis.Redis) -> Iterator[Any]:
+    if request.param == "memory":
+        yield MemoryStore(clock=Clock())
+    else:
+        yield RedisStore(redis_client)
+
+
+def later(store: Any, seconds: float) -> None:
+    """Let ``seconds`` pass: on the MemoryStore's clock, or really (Redis's clock)."""
+    if isinstance(store, MemoryStore):
+        store._clock.advance(seconds)
+    else:
+        time.sleep(seconds)
+
+
+# -- declaration ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda: Concurrency(0), "limit must be an int >= 1"),
+    (lambda: Concurrency(1.5), "limit must be an int >= 1"),
+    (lambda: Concurrency(True), "limit must be an int >= 1"),
+    (lambda: Concurrency(1, key="tenant"), "key must be a callable"),
+    (lambda: Concurrency(1, on_busy="skip"), "on_busy must be one of"),
+    (lambda: Rate(0, per=1), "limit must be an int >= 1"),
+    (lambda: Rate(1, per=0), "per must be"),
+    (lambda: Rate(1, per=-1), "per must be"),
+    (lambda: Rate(1, per=float("nan")), "per must be"),
+    (lambda: Rate(1, per=1, key=3), "key must be a callable"),
+    (lambda: Rate(1, per=1, on_excess="later"), "on_excess must be one of"),
+])
+def test_bad_declarations_are_refused(make: Any, words: str) -> None:
+    with pytest.raises(ConfigurationError, match=words):
+        make()
+
+
+def test_public_names_and_declaration() -> None:
+    assert taskdedup.Concurrency is Concurrency and taskdedup.Rate is Rate
+    rate = Rate(5, per=timedelta(minutes=1), on_excess="drop")
+    assert rate.per == 60.0 and rate.per_ms == 60_000 and rate.drops
+    assert not Concurrency(2).drops
+    # concurrency first, so a rate start is never spent on a call that then waits for a slot
+    declared = limits.coerce_limits([rate, Concurrency(1)], "t")
+    assert [type(x) for x in declared] == [Concurrency, Rate]
+    assert limits.coerce_limits(None, "t") == ()
+    with pytest.raises(ConfigurationError, match="limits= takes"):
+        limits.coerce_limits([object()], "t")
+    with pytest.raises(ConfigurationError, match="limits= takes a list"):
+        limits.coerce_limits("Rate", "t")
+
+
+def test_keys_hash_the_value_and_carry_a_hash_tag() -> None:
+    by_tenant = Concurrency(1, key=lambda tenant, n=0: tenant)
+    a = limits.limit_key("td", "app.work", 0, by_tenant, ("acme-secret",), {"n": 1})
+    b = limits.limit_key("td", "app.work", 0, by_tenant, ("acme-secret",), {"n": 2})
+    c = limits.limit_key("td", "app.work", 0, by_tenant, ("globex",), {})
+    assert a == b != c
+    assert "acme" not in a and a.startswith("td:limit:app.work:0c:{") and a.endswith("}")
+    assert limits.limit_key("td", "app.work", 1, Rate(1, 1), (), {}).startswith(
+        "td:limit:app.work:1r:{")
+    with pytest.raises(TypeError, match="key function"):
+        limits.limit_key("td", "app.work", 0, by_tenant, (), {})
+
+
+# -- the store contract --------------------------------------------------------------------
+
+
+def test_slots_up_to_the_limit_then_refused_with_a_hint(store: Any) -> None:
+    assert store.slot_acquire("td:limit:t:0c:{a}", "h1", 2, 5000) == (True, 1)
+    assert store.slot_acquire("td:limit:t:0c:{a}", "h2", 2, 5000) == (True, 2)
+    ok, wait_ms = store.slot_acquire("td:limit:t:0c:{a}", "h3", 2, 5000)
+    assert not ok and 0 < wait_ms <= 5000
+    assert store.slot_acquire("td:limit:t:0c:{b}", "h3", 2, 5000)[0]  # another key value
+    assert store.slot_release("td:limit:t:0c:{a}", "h1") is Outcome.OK
+    assert store.slot_release("td:limit:t:0c:{a}", "h1") is Outcome.NOT_OWNER  # fenced
+    assert store.slot_acquire("td:limit:t:0c:{a}", "h3", 2, 5000)[0]
+
+
+def test_a_slot_lapses_without_heartbeat_and_lives_with_one(store: Any) -> None:
+    key = "td:limit:t:0c:{a}"
+    assert store.slot_acquire(key, "beaten", 2, 300)[0]
+    assert store.slot_acquire(key, "silent", 2, 300)[0]
+    later(store, 0.2)
+    assert store.slot_heartbeat(key, "beaten", 300) is Outcome.OK
+    later(store, 0.2)
+    assert store.slot_heartbeat(key, "silent", 300) is Outcome.NOT_OWNER  # lapsed
+    assert store.slot_acquire(key, "next", 2, 300)[0]  # the lapsed one's slot
+    assert not store.slot_acquire(key, "more", 2, 300)[0]
+
+
+def test_rate_window_allows_the_first_limit_then_says_when(store: Any) -> None:
+    key = "td:limit:t:0r:{a}"
+    assert [store.rate_acquire(key, f"s{i}", 3, 400)[0] for i in range(3)] == [True] * 3
+    ok, wait_ms = store.rate_acquire(key, "s3", 3, 400)
+    assert not ok and 0 < wait_ms <= 400
+    later(store, wait_ms / 1000 + 0.02)
+    assert store.rate_acquire(key, "s3", 3, 400)[0]
+    assert store.slot_release(key, "s3") is Outcome.OK  # a refused call's start taken back
+    assert store.rate_acquire(key, "s4", 3, 400)[0]
+
+
+def test_concurrent_acquires_never_pass_the_limit(redis_client: redis.Redis) -> None:
+    store = RedisStore(redis_client)
+    got: list[bool] = []
+
+    def take(i: int) -> None:
+        got.append(store.slot_acquire("td:limit:t:0c:{x}", f"h{i}", 3, 5000)[0])
+
+    threads = [threading.Thread(target=take, args=(i,)) for i in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got.count(True) == 3
+
+
+# -- admit / release -----------------------------------------------------------------------
+
+
+def test_admit_takes_all_or_gives_back_and_reports(redis_client: redis.Redis) -> None:
+    dedup = Deduplicator(RedisStore(redis_client), prefix="lu")
+    seen: list[tuple[Event, str | None]] = []
+    dedup.events.add(lambda e: seen.append((e.event, e.detail)))
+    declared = limits.coerce_limits([Concurrency(2), Rate(1, per=30)], "t")
+    first = limits.admit(dedup, "t", declared, (), {}, "id1", 5000)
+    assert first.ok and len(first.slots) == 2
+    second = limits.admit(dedup, "t", declared, (), {}, "id2", 5000)
+    assert not second.ok and isinstance(second.limit, Rate) and not second.dropped
+    assert second.wait_ms > 20_000
+    # the slot it took before the rate refused was given back: one holder, not two
+    stats = limits.read_limits(redis_client, "lu")
+    assert stats["t"].slots_in_use == 1
+    assert (Event.DEFERRED, "limit") in seen
+    limits.release(dedup, first.slots)
+    assert limits.read_limits(redis_client, "lu") == {}
+    assert redis_client.zcard(first.slots[1][0]) == 1  # its start still counts
+
+
+def test_drop_is_reported_as_dropped() -> None:
+    dedup = Deduplicator(MemoryStore(), prefix="lu")
+    seen: list[Event] = []
+    dedup.events.add(lambda e: seen.append(e.event))
+    declared = limits.coerce_limits([Rate(1, per=60, on_excess="drop")], "t")
+    assert limits.admit(dedup, "t", declared, (), {}, "a", 1000).ok
+    refused = limits.admit(dedup, "t", declared, (), {}, "b", 1000)
+    assert refused.dropped and seen[-1] is Event.DROPPED
+    error = limits.RateLimitedError("t", repr(refused.limit))
+    assert "dropped by its limit Rate(1, per=60" in str(error)
+    import pickle
+
+    assert str(pickle.loads(pickle.dumps(error))) == str(error)
+
+
+def test_heartbeat_keeps_a_slot_past_its_lease(redis_client: redis.Redis) -> None:
+    dedup = Deduplicator(RedisStore(redis_client), prefix="lu")
+    declared = limits.coerce_limits([Concurrency(1)], "t")
+    held = limits.admit(dedup, "t", declared, (), {}, "long", 600)
+    assert held.ok
+    time.sleep(1.5)  # more than two leases: only the heartbeat keeps it
+    assert not limits.admit(dedup, "t", declared, (), {}, "other", 600).ok
+    limits.release(dedup, held.slots)
+    assert limits.admit(dedup, "t", declared, (), {}, "other", 600).ok
+
+
+def test_delay_follows_the_hint_or_backs_off() -> None:
+    rate = Rate(1, per=10)
+    assert 1.5 <= limits.limit_delay(rate, 1500, 0, 60) <= 1.75
+    conc = Concurrency(1)
+    assert 0.16 <= limits.limit_delay(conc, 0, 0, 60) <= 0.24
+    assert limits.limit_delay(conc, 0, 1000, 60) <= limits.MAX_WAIT * 1.2
+    assert limits.limit_delay(conc, 0, 1000, 60, redelivery=2) <= 1.0
+    assert limits.limited_since("x") is None and limits.limited_since(time.time()) is not None
