@@ -246,6 +246,31 @@ with transaction.atomic():
     with effects(key="k1", ttl=60) as fx:
         out["expired"] = [fx.first, fx.result]
 out["rows"] = {e.key: [e.task_id, e.result] for e in Effect.objects.all()}
+# the statements: one claim (INSERT ... ON CONFLICT), one UPDATE for a stored result; a
+# later run's claim reads the stored row in the same statement on PostgreSQL
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+with transaction.atomic(), CaptureQueriesContext(connection) as first_run:
+    with effects(key="k-count") as fx:
+        fx.result = "done"
+with transaction.atomic(), CaptureQueriesContext(connection) as later_run:
+    with effects(key="k-count") as fx:
+        pass
+out["statements"] = [[q["sql"].split()[0].upper() for q in run.captured_queries]
+                     for run in (first_run, later_run)]
+# a row shorter than the task's redelivery delay: warned once per task
+import io, logging
+log = io.StringIO()
+logging.getLogger("taskdedup").addHandler(logging.StreamHandler(log))
+token = running.enter(running.Running("orders.tasks.short", "t-9", "mysite:short:1", 60.0,
+                                      redelivery=3600.0))
+try:
+    for _ in range(2):
+        with transaction.atomic(), effects(ttl=60):
+            pass
+finally:
+    running.leave(token)
+out["short"] = log.getvalue()
 # the admin: listed and shown to a superuser, never added, changed or deleted
 OutboxRow.objects.create(id="row-1", kind="celery", target="orders.tasks.record_charge",
                          body='{"secret": "x"}', created=datetime.now(UTC),
@@ -285,6 +310,11 @@ def test_admin_is_read_only_and_effects_claims_once(project: Project) -> None:
     assert out["expired"] == [True, None]  # taken over: first again, the old result gone
     assert out["rows"]["k1"] == [None, None]
     assert out["rows"]["mysite:x:abc"] == ["task-7", None]
+    claim = "WITH" if project.dialect == "postgresql" else "INSERT"
+    later = ["WITH"] if project.dialect == "postgresql" else ["INSERT", "SELECT"]
+    assert out["statements"] == [[claim, "UPDATE"], later], out["statements"]
+    assert out["short"].count("orders.tasks.short") == 1, out["short"]
+    assert "3600" in out["short"]
     # the rows the Django app wrote are the SQLAlchemy tier's: read through it
     with project.engine.connect() as conn:
         row = conn.execute(READ, {"b_key": "mysite:x:abc", "b_now": datetime.now(UTC)}).first()

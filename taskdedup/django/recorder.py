@@ -62,9 +62,12 @@ def _stamp(vendor: str, moment: datetime) -> Any:
     return moment
 
 
-def _decoded(value: Any) -> Any:
-    """A ``result`` as read: psycopg decodes ``json`` itself; SQLite returns the text."""
-    return json.loads(value) if isinstance(value, str) else value
+def _decoded(vendor: str, value: Any) -> Any:
+    """A ``result`` as read: SQLite returns the JSON text; psycopg decodes ``json`` itself (a
+    stored string comes back as that string, not as JSON text)."""
+    if vendor == "sqlite" and isinstance(value, str | bytes):
+        return json.loads(value)
+    return value
 
 
 @contextmanager
@@ -130,7 +133,7 @@ def effects(
                         "transaction cannot read (isolation above READ COMMITTED?); retry "
                         "the task"
                     )
-            fx = Effects(key, False, stored[0], _decoded(stored[1]))
+            fx = Effects(key, False, stored[0], _decoded(vendor, stored[1]))
     yield fx
     result = fx.pending_result
     if result is not None:
