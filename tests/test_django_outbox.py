@@ -255,7 +255,7 @@ with transaction.atomic(), CaptureQueriesContext(connection) as first_run:
         fx.result = "done"
 with transaction.atomic(), CaptureQueriesContext(connection) as later_run:
     with effects(key="k-count") as fx:
-        pass
+        out["string_result"] = [fx.first, fx.result]
 out["statements"] = [[q["sql"].split()[0].upper() for q in run.captured_queries]
                      for run in (first_run, later_run)]
 # a row shorter than the task's redelivery delay: warned once per task
@@ -313,6 +313,7 @@ def test_admin_is_read_only_and_effects_claims_once(project: Project) -> None:
     claim = "WITH" if project.dialect == "postgresql" else "INSERT"
     later = ["WITH"] if project.dialect == "postgresql" else ["INSERT", "SELECT"]
     assert out["statements"] == [[claim, "UPDATE"], later], out["statements"]
+    assert out["string_result"] == [False, "done"]  # JSON "done", read back as the string
     assert out["short"].count("orders.tasks.short") == 1, out["short"]
     assert "3600" in out["short"]
     # the rows the Django app wrote are the SQLAlchemy tier's: read through it
