@@ -33,11 +33,13 @@ from ..exceptions import (
     DuplicateTaskError,
     StoreUnavailableError,
 )
+from ..limits import Limit, coerce_limits
 from ..policy import MAX_DURATION_MS, OnDuplicate, Policy, is_disabled
 from ..running import Running
 from ..stores.base import LockState
 from ..stores.redis import may_have_run, refused
 from . import _compat, claims, eager
+from . import limits as task_limits
 from ._message import (
     HEADER,
     RUNNING_ATTR,
@@ -97,6 +99,10 @@ class DedupTask(Task):  # type: ignore[misc]
     _dedup_duplicate_rate: float = 0.0
     _dedup_func: Callable[..., Any] | None = None
     _dedup_track_started: bool = False
+    limits: Any = None
+    """``limits=[taskdedup.Concurrency(...), taskdedup.Rate(...)]`` (SPEC §16), with or
+    without ``dedup=``: taken at the worker after the claim (:mod:`taskdedup.celery.limits`)."""
+    _dedup_limits: tuple[Limit, ...] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -110,6 +116,8 @@ class DedupTask(Task):  # type: ignore[misc]
         func = getattr(run, "__func__", run)
         if cls._dedup_policy is not None and callable(func):
             _check_names(cls, func, cls._dedup_policy)
+        if "limits" in cls.__dict__:
+            cls._dedup_limits = coerce_limits(cls.__dict__["limits"], cls.__name__)
 
     @classmethod
     def on_bound(cls, app: Celery) -> None:
@@ -423,6 +431,13 @@ class DedupTask(Task):  # type: ignore[misc]
                        redelivery=outer.redelivery if outer is not None else None)
 
     def before_start(self, task_id: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+        """Claim the running lock (:meth:`_claim_start`), then take the task's limits: a
+        skipped duplicate takes no slot (SPEC §16)."""
+        self._claim_start(task_id, args, kwargs)
+        if self._dedup_limits:
+            task_limits.enter(self, task_id, args, kwargs)
+
+    def _claim_start(self, task_id: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
         """Claim the running lock; skip the body of a duplicate; put off a concurrent copy of
         this very message; end a redelivery of a call that already succeeded."""
         super().before_start(task_id, args, kwargs)
