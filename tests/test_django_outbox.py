@@ -295,6 +295,20 @@ for model, pk in (("effect", "k1"), ("outboxrow", "row-1")):
 pages["index"] = "taskdedup" in web.get("/admin/").content.decode()
 OutboxRow.objects.all().delete()
 out["admin"] = pages
+# what the relay publishes with: the app TASKDEDUP_CELERY_APP names, else the settings
+# package's celery.py; django-rq's connection
+import mysite.celery
+from django.test import override_settings
+from taskdedup.django import project
+out["relay_app"] = [project.celery_app() is mysite.celery.app]
+with override_settings(TASKDEDUP_CELERY_APP=None):
+    out["relay_app"].append(project.celery_app() is mysite.celery.app)
+with override_settings(TASKDEDUP_CELERY_APP="mysite.celery:nope"):
+    try:
+        project.celery_app()
+    except ConfigurationError as exc:
+        out["relay_app"].append(str(exc))
+out["relay_rq_db"] = project.rq_connection().connection_pool.connection_kwargs["db"]
 print(json.dumps(out))
 """
 
@@ -327,6 +341,8 @@ def test_admin_is_read_only_and_effects_claims_once(project: Project) -> None:
         assert page["add"] == 403 and page["delete"] == 403 and page["post"] == 403, page
     assert not out["admin"]["outboxrow"]["body_shown"]  # the arguments are never shown
     assert out["admin"]["index"]
+    assert out["relay_app"][:2] == [True, True] and "mysite.celery:nope" in out["relay_app"][2]
+    assert out["relay_rq_db"] == BROKER_DB  # django-rq's "default" queue's Redis
 
 
 # -- two processes, one identity ----------------------------------------------------------
