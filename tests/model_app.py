@@ -56,6 +56,21 @@ def ran(name: str, key: str) -> None:
     r().rpush(f"model:runs:{name}:{key}", str(time.time()))
 
 
+# SPEC §15: a call finding its identity running waits for it, then runs with its own arguments
+SERIAL = Policy(mode="while_executing", lease=10, include=["key"], on_busy="wait")
+
+
+@app.task(base=DedupTask, dedup=SERIAL, name="model.serial")
+def serial(key: str, n: int) -> int:
+    """One of several calls of one identity that must all run, one at a time."""
+    if r().incr(f"model:busy:serial:{key}") > 1:
+        r().rpush(f"model:overlap:serial:{key}", n)
+    ran("serial", key)
+    time.sleep(0.3)
+    r().decr(f"model:busy:serial:{key}")
+    return n
+
+
 @app.task(base=DedupTask, dedup=WINDOW, name="model.charge")
 def charge(key: str) -> str:
     """A payment: runs once per key for the test's whole length."""

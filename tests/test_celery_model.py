@@ -18,7 +18,13 @@ same-id copy rule (SPEC §5, issue #19):
 * ``redeliver_after_success_in_chain``: a chain's step that succeeded comes back as kombu
   redelivers it (same id, same ``taskdedup`` header, its next step and an errback attached);
 * ``skewed_clock``: an approximate window (the ``remember`` task) asked by a producer whose
-  clock is off by more than the whole window (SPEC §12).
+  clock is off by more than the whole window (SPEC §12);
+
+and since the second call's answers (SPEC §15, issue #22):
+
+* ``wait``: three calls of one ``while_executing`` identity with ``on_busy="wait"`` and
+  different ignored arguments, sent at once to the worker's two processes: each runs exactly
+  once, never beside another (no overlap recorded), and ends SUCCESS with its own argument.
 
 After each step the test waits until the worker has dealt with every message (the queue is
 empty and nothing is unacked: every task acks late; after a step with copies, for a while
@@ -102,7 +108,7 @@ SEEDS = [int(s) for s in os.environ.get("TASKDEDUP_MODEL_SEEDS", "11,12").split(
 EXTRA_STEPS = 4
 ALL_OPERATIONS = ("delay", "explicit_twice", "retry_throw", "retry_no_throw", "fail_then_again",
                   "chain_dup", "revoke_then_again", "kill_mid_body", "by_name", "eta_copies",
-                  "nested", "redeliver_after_success_in_chain", "skewed_clock")
+                  "nested", "redeliver_after_success_in_chain", "skewed_clock", "wait")
 # The extra random steps are drawn from the quick operations only (eta_copies and
 # kill_mid_body wait out a visibility timeout each), to keep a seed's run short.
 QUICK = ("delay", "explicit_twice", "retry_throw", "retry_no_throw", "fail_then_again",
@@ -124,6 +130,7 @@ class Model:
     # nests key -> the identities recorded before, inside and after its inner executions
     identities: dict[str, list[str]] = field(default_factory=dict)
     rows: set[str] = field(default_factory=set)  # the durable rows' keys: one per identity
+    serial: set[str] = field(default_factory=set)  # on_busy="wait" identities: never overlap
 
 
 class Driver:
@@ -235,6 +242,18 @@ class Driver:
         self.awaited.setdefault(again.id, 1)
         self.model.runs[("fail_once", key)] = 2
         self.model.ended.add(("fail_once", key))
+
+    def wait(self, rng: random.Random) -> None:
+        """SPEC §15: calls of a running identity wait for it and then each run once."""
+        key = self.key()
+        sent = [self.m.serial.delay(key, n) for n in range(3)]
+        self.log.append(f"serial.delay({key}, 0..2) -> {[r.id for r in sent]}")
+        for n, result in enumerate(sent):
+            self.awaited.setdefault(result.id, 1)
+            self.model.results[result.id] = ("SUCCESS", None)
+            self.model.values[result.id] = n
+        self.model.runs[("serial", key)] = 3
+        self.model.serial.add(key)
 
     def chain_with_a_duplicate_step(self, rng: random.Random) -> str:
         key = self.key()
@@ -451,6 +470,11 @@ class Driver:
             assert self.runs(name, key) == expected, (
                 f"{name}({key}) ran {self.runs(name, key)} times, the model says {expected}; "
                 f"steps: {self.log}")
+        for key in self.model.serial:
+            overlaps = self.rc.lrange(f"model:overlap:serial:{key}", 0, -1)
+            assert not overlaps, (
+                f"serial({key}) ran beside another run of its identity ({overlaps}); steps: "
+                f"{self.log}")
         for key, expected in self.model.identities.items():
             seen = [x.decode() for x in self.rc.lrange(f"model:identity:{key}", 0, -1)]
             assert seen == expected, (
