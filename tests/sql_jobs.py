@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import time
 from typing import Any
 
@@ -60,6 +61,14 @@ def _pause(order_id: str, point: str, attempt: int) -> None:
     raise TimeoutError(f"{order_id}: never killed at {point}")
 
 
+def _hold() -> None:
+    """``TASKDEDUP_TEST_BODY_HOLD=<seconds>``: stay inside the transaction a random while up to
+    that long (the outbox kill proof: a SIGKILL at a random moment lands inside it often)."""
+    hold = float(os.environ.get("TASKDEDUP_TEST_BODY_HOLD") or 0)
+    if hold > 0:
+        time.sleep(random.uniform(0, hold))
+
+
 def ledger_charge(order_id: str, cents: int, durable: bool = True) -> Any:
     """One ledger row per charge, in one transaction; with ``durable`` the identity is
     recorded in that transaction (taskdedup.sql.effects), without it the body is plain."""
@@ -78,6 +87,7 @@ def ledger_charge(order_id: str, cents: int, durable: bool = True) -> Any:
                     fx.result = {"charged": cents, "attempt": attempt}
                 result = fx.result
                 _pause(order_id, "inside", attempt)
+                _hold()
         else:
             conn.execute(LEDGER.insert().values(order_id=order_id, cents=cents))
             result = {"charged": cents, "attempt": attempt}
