@@ -287,6 +287,48 @@ def _task_function(obj: Any, spec: str) -> tuple[Callable[..., Any], Policy | No
     return obj, None
 
 
+def _resolve_task(
+    task: str, func: str | None, app_name: str | None, *, needed: bool
+) -> tuple[Callable[..., Any] | None, Policy | None]:
+    """TASK's function and policy for ``taskdedup key``: from ``--func``, the Celery app's
+    registry, or TASK's dotted name. A key computed without the signature is not the
+    producer's (defaults and positional arguments bind to names), so not finding it is an
+    error when the arguments count (``needed``)."""
+    if func is not None:
+        return _task_function(_import_object(func), func)
+    if app_name:
+        from .celery.load import load_app  # Celery only when asked for
+
+        try:
+            app = load_app(app_name)
+        except ConfigurationError as exc:
+            raise CliError(one_line(exc)) from None
+        found = app.tasks.get(task)
+        if found is None:
+            raise CliError(f"{task!r} is not a task of the Celery app {app_name!r} "
+                           "(give its registered name, or --func MODULE:FUNCTION)")
+        return _task_function(found, task)
+    module_name, _, attr = task.rpartition(".")
+    if module_name:
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        try:
+            return _task_function(getattr(importlib.import_module(module_name), attr), task)
+        except (ImportError, AttributeError, CliError):
+            pass
+        except Exception as exc:  # the module failed to import: say so
+            if needed:
+                raise CliError(f"cannot import {module_name!r} to find {task!r}'s signature: "
+                               f"{type(exc).__name__}: {exc}") from None
+    if needed:
+        raise CliError(
+            f"cannot find {task!r}'s function: the key binds the arguments to its signature, "
+            "as the producer does. Pass --func MODULE:FUNCTION or -A/--app MODULE (or set "
+            "CELERY_APP), or --unbound if the producer had no function to bind to"
+        )
+    return None, None
+
+
 def _names(value: str | None) -> list[str] | None:
     if value is None:
         return None
@@ -307,23 +349,33 @@ def _names(value: str | None) -> list[str] | None:
 @click.option("--exclude", metavar="NAMES", help="These arguments do not count (comma-separated).")
 @click.option("--func", metavar="MODULE:FUNCTION",
               help="Bind the arguments to this function's (or Celery task's) signature.")
+@click.option("-A", "--app", "app_name", envvar="CELERY_APP", metavar="MODULE",
+              help="Find TASK among this Celery app's tasks (default: CELERY_APP).")
+@click.option("--unbound", is_flag=True,
+              help="No signature: the producer had no function to bind to (an RQ job "
+                   "enqueued by a name it could not import).")
 @_json_option
 @click.pass_obj
 def key_command(
     env: _Env, task: str, args: tuple[str, ...], kws: tuple[str, ...], json_args: str | None,
     json_kwargs: str | None, scope: str | None, dedup_key: str | None, include: str | None,
-    exclude: str | None, func: str | None, as_json: bool,
+    exclude: str | None, func: str | None, app_name: str | None, unbound: bool,
+    as_json: bool,
 ) -> None:
     """Print the identity (digest) and the Redis key of a call of TASK.
 
-    ARGS are JSON when they parse (42, true, null, [1,2], '"42"' for the string), else
-    strings. Put `--` before arguments that start with '-'. No Redis is needed.
+    The arguments are bound to TASK's signature, as the producer binds them: TASK is found
+    with --func, else among the tasks of the Celery app of -A/--app (or CELERY_APP), else
+    imported by its dotted name (module.function, as Celery and RQ name tasks). When none
+    finds it the command refuses, unless --unbound. ARGS are JSON when they parse (42, true,
+    null, [1,2], '"42"' for the string), else strings. Put `--` before arguments that start
+    with '-'. No Redis is needed.
     """
     positional, keywords = _call_arguments(args, kws, json_args, json_kwargs)
     function: Callable[..., Any] | None = None
     base: Policy | None = None
-    if func is not None:
-        function, base = _task_function(_import_object(func), func)
+    if not unbound:
+        function, base = _resolve_task(task, func, app_name, needed=dedup_key is None)
     try:
         if include is not None or exclude is not None or base is None:
             selection: dict[str, Any] = {"include": _names(include), "exclude": _names(exclude)}

@@ -123,23 +123,25 @@ def flushed_stats(dedup: Deduplicator) -> None:
 
 
 def test_key_prints_the_digest_and_full_key_of_a_call(run: Any) -> None:
-    data = as_json(run("key", "app.charge", "42", "ORD-7", "--kw", "amount=5", "--json"))
+    data = as_json(run("key", "app.charge", "42", "ORD-7", "--kw", "amount=5", "--unbound",
+                       "--json"))
     digest = fingerprint("app.charge", [42, "ORD-7"], {"amount": 5})
     assert data["digest"] == digest
     assert data["key"] == f"taskdedup:app.charge:{digest}"
     assert data["identity_from"] == "arguments"
-    table = run("key", "app.charge", "42", "ORD-7", "--kw", "amount=5")
+    table = run("key", "app.charge", "42", "ORD-7", "--kw", "amount=5", "--unbound")
     assert table.exit_code == 0
     assert f"taskdedup:app.charge:{digest}" in table.stdout
 
 
 def test_key_values_are_json_when_they_parse_else_strings(run: Any) -> None:
-    parsed = as_json(run("key", "t", "42", "true", "null", "[1, 2]", "ORD-7", "--json"))
+    parsed = as_json(run("key", "t", "42", "true", "null", "[1, 2]", "ORD-7", "--unbound",
+                         "--json"))
     assert parsed["digest"] == fingerprint("t", [42, True, None, [1, 2], "ORD-7"])
-    quoted = as_json(run("key", "t", '"42"', "--json"))
+    quoted = as_json(run("key", "t", '"42"', "--unbound", "--json"))
     assert quoted["digest"] == fingerprint("t", ["42"])
     from_json = as_json(run("key", "t", "--json-args", '[42, "x"]', "--json-kwargs",
-                            '{"a": {"b": 1}}', "--json"))
+                            '{"a": {"b": 1}}', "--unbound", "--json"))
     assert from_json["digest"] == fingerprint("t", [42, "x"], {"a": {"b": 1}})
 
 
@@ -171,16 +173,44 @@ def test_key_with_scope_and_dedup_key(run: Any) -> None:
     assert data["check"] == fingerprint("app.refund", [7], scope="t1")
 
 
+def test_key_finds_the_task_by_its_dotted_name_as_the_producer_binds_it(run: Any) -> None:
+    # the operating guide's form: no --func; positional arguments bind to the parameters'
+    # names and defaults apply, as at the producer
+    by_name = as_json(run("key", "tests.test_cli.charge", "42", "--json"))
+    assert by_name["digest"] == fingerprint("tests.test_cli.charge", (42,), func=charge)
+    assert by_name["digest"] != fingerprint("tests.test_cli.charge", [42])  # the unbound key
+
+
+def test_key_finds_a_celery_task_through_the_app(run: Any, monkeypatch: Any) -> None:
+    data = as_json(run("key", "cli.charge", "42", "7", "-A", "tests.test_cli:celery_app",
+                       "--json"))
+    digest = fingerprint("cli.charge", (42, 7), func=charge, include=["user_id"], scope="t9")
+    assert data["key"] == f"taskdedup:t9:cli.charge:{digest}"
+    monkeypatch.setenv("CELERY_APP", "tests.test_cli:celery_app")
+    assert as_json(run("key", "cli.charge", "42", "7", "--json"))["key"] == data["key"]
+    unknown = run("key", "cli.nope", "1", "-A", "tests.test_cli:celery_app")
+    assert unknown.exit_code == 1 and "is not a task of the Celery app" in unknown.stderr
+
+
+def test_key_refuses_a_task_it_cannot_find_instead_of_printing_a_wrong_key(run: Any) -> None:
+    result = run("key", "payments.charge", "ORD-789", "5000")
+    assert result.exit_code == 1
+    assert "--func" in result.stderr and "--unbound" in result.stderr
+    assert "taskdedup:" not in result.stdout
+    # an explicit idempotency key does not need the signature
+    assert run("key", "payments.charge", "ORD-789", "--dedup-key", "K").exit_code == 0
+
+
 def test_key_refuses_arguments_without_identity_in_one_line(run: Any) -> None:
-    result = run("key", "t", "--json-args", "[1, NaN]")
+    result = run("key", "t", "--json-args", "[1, NaN]", "--unbound")
     assert result.exit_code == 1
     assert result.stderr.count("\n") == 1 and "args[1]" in result.stderr
-    both = run("key", "t", "1", "--json-args", "[1]")
+    both = run("key", "t", "1", "--json-args", "[1]", "--unbound")
     assert both.exit_code == 1 and "not both" in both.stderr
 
 
 def test_key_needs_no_redis(run: Any) -> None:
-    result = run("key", "t", "1", "--json", url=None)
+    result = run("key", "t", "1", "--unbound", "--json", url=None)
     assert result.exit_code == 0, result.output
 
 
@@ -431,8 +461,9 @@ def test_password_is_not_printed(run: Any) -> None:
 
 
 def test_python_m_taskdedup_runs_the_command() -> None:
-    done = subprocess.run([sys.executable, "-m", "taskdedup", "key", "app.charge", "42", "--json"],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "taskdedup", "key", "app.charge", "42", "--unbound", "--json"],
+        capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["digest"] == fingerprint("app.charge", [42])
 
