@@ -1,0 +1,60 @@
+"""Bodies of the limits tests (SPEC §16), shared by the Celery app (tests.limits_app) and
+the RQ jobs: each records its run in Redis so the test process can measure, across
+processes, how many bodies of one key ran at once and when each started (Redis's clock).
+
+- ``lim:peak:{label}:{tenant}`` / ``lim:peak:{label}``: the running count each body saw as it
+  entered (INCR, so the largest value is the most bodies that ever ran at once);
+- ``lim:runs:{label}``: ``n tenant start_ms end_ms`` per finished body;
+- ``lim:started:{label}``: ``n start_ms`` per started body (a killed one included).
+"""
+
+from __future__ import annotations
+
+import time
+
+from tests.effects import r, wait_gate
+
+__all__ = ["hold", "peak", "runs", "started"]
+
+
+def _now_ms() -> int:
+    seconds, micros = r().time()
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
+def hold(label: str, tenant: str, n: int, seconds: float = 0.3, gate: bool = False) -> int:
+    client = r()
+    start = _now_ms()
+    client.rpush(f"lim:started:{label}", f"{n} {start}")
+    client.rpush(f"lim:peak:{label}:{tenant}", client.incr(f"lim:active:{label}:{tenant}"))
+    client.rpush(f"lim:peak:{label}", client.incr(f"lim:active:{label}"))
+    try:
+        if gate:
+            wait_gate(f"{label}:{n}")
+        time.sleep(seconds)
+    finally:
+        client.decr(f"lim:active:{label}:{tenant}")
+        client.decr(f"lim:active:{label}")
+    client.rpush(f"lim:runs:{label}", f"{n} {tenant} {start} {_now_ms()}")
+    return n
+
+
+def peak(client, label: str, tenant: str | None = None) -> int:  # type: ignore[no-untyped-def]
+    key = f"lim:peak:{label}" + (f":{tenant}" if tenant is not None else "")
+    return max((int(x) for x in client.lrange(key, 0, -1)), default=0)
+
+
+def runs(client, label: str) -> list[tuple[int, str, int, int]]:  # type: ignore[no-untyped-def]
+    out = []
+    for raw in client.lrange(f"lim:runs:{label}", 0, -1):
+        n, tenant, start, end = raw.decode().split()
+        out.append((int(n), tenant, int(start), int(end)))
+    return out
+
+
+def started(client, label: str) -> list[tuple[int, int]]:  # type: ignore[no-untyped-def]
+    out = []
+    for raw in client.lrange(f"lim:started:{label}", 0, -1):
+        n, start = raw.decode().split()
+        out.append((int(n), int(start)))
+    return out
