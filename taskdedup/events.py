@@ -75,10 +75,23 @@ Listener = Callable[[DedupEvent], None]
 
 
 class Events:
-    """The listeners of one :class:`~taskdedup.core.Deduplicator`."""
+    """The listeners of one :class:`~taskdedup.core.Deduplicator`, and the process-wide ones
+    every Deduplicator calls too (:meth:`add_everywhere`: an instrumentor that knows no app)."""
+
+    _everywhere: tuple[Listener, ...] = ()
 
     def __init__(self) -> None:
         self._listeners: tuple[Listener, ...] = ()
+
+    @classmethod
+    def add_everywhere(cls, listener: Listener) -> Listener:
+        """Register ``listener`` for the events of every Deduplicator in this process."""
+        Events._everywhere = (*Events._everywhere, listener)
+        return listener
+
+    @classmethod
+    def remove_everywhere(cls, listener: Listener) -> None:
+        Events._everywhere = tuple(x for x in Events._everywhere if x is not listener)
 
     def add(self, listener: Listener) -> Listener:
         """Register ``listener`` (usable as a decorator); returns it."""
@@ -89,7 +102,7 @@ class Events:
         self._listeners = tuple(x for x in self._listeners if x is not listener)
 
     def emit(self, event: DedupEvent) -> None:
-        for listener in self._listeners:
+        for listener in self._listeners + Events._everywhere:
             try:
                 listener(event)
             except Exception:  # a listener must never break a task
