@@ -392,8 +392,9 @@ def test_sql_init_is_idempotent_and_prune_reports_what_it_deleted(
     runner = CliRunner()
     with engine.begin() as conn:
         EFFECTS.drop(conn)
+        conn.exec_driver_sql("DROP TABLE IF EXISTS taskdedup_outbox")
     out = runner.invoke(main, ["sql", "init", "--url", url], catch_exceptions=False)
-    assert (out.exit_code, out.output) == (0, f"created {TABLE_NAME}\n")
+    assert (out.exit_code, out.output) == (0, f"created {TABLE_NAME}, taskdedup_outbox\n")
     monkeypatch.setenv("TASKDEDUP_SQL_URL", url)
     out = runner.invoke(main, ["sql", "init"], catch_exceptions=False)
     assert (out.exit_code, out.output) == (
