@@ -72,8 +72,9 @@ def test_every_waiting_call_runs_once_after_the_other_never_beside_it(
     name = label()
     first = capp.wait_busy.delay(name, 0, True)
     wait_for(started(rc, name, 0), timeout=30, what="the first call runs")
+    before = _deferred(rc, "wait_busy")
     waiting = [capp.wait_busy.delay(name, n) for n in range(1, 5)]
-    wait_for(lambda: _deferred(rc, "wait_busy") >= 4, timeout=30, interval=0.2,
+    wait_for(lambda: _deferred(rc, "wait_busy") >= before + 4, timeout=30, interval=0.2,
              what="the four calls put off")
     # They hold no pool process: four other tasks still run while the gate is closed.
     others = [capp.app.tasks["tests.celery_app.record"].delay(label(), i) for i in range(4)]
@@ -128,14 +129,39 @@ def test_until_executed_a_call_finding_its_identity_running_waits_then_runs(
     wait_for(started(rc, name, 0), timeout=30, what="the first call runs")
     again = task.delay(name, 1)
     assert again.id == first.id  # gated at enqueue, as today
+    before = _deferred(rc, "wait_until_executed")
     by_name = capp.app.send_task(task.name, (name, 2), queue=QUEUE)
-    wait_for(lambda: _deferred(rc, "wait_until_executed") >= 1, timeout=30, interval=0.2,
+    wait_for(lambda: _deferred(rc, "wait_until_executed") > before, timeout=30, interval=0.2,
              what="the call sent by name put off")
     assert recorded(rc, name) == ["start0"]
     rc.set(f"go:{name}", 1)
     assert first.get(timeout=30) == 0
     assert by_name.get(timeout=30) == 2
     assert recorded(rc, name) == ["start0", "end0", "start2", "end2"]
+
+
+def test_a_killed_holder_frees_its_waiter_within_its_lease(
+    capp: Any, rc: redis.Redis, workers: list[CeleryWorker], redis_url: str
+) -> None:
+    """The holder runs on a worker of its own, SIGKILLed mid-body: its running lock is no
+    longer renewed and lapses within its lease (8 s); the waiting call then runs, within the
+    lease plus one back-off (lease / 4) of the kill, not never."""
+    name = label()
+    own = SecondCallWorker(redis_url, queue=f"{QUEUE}-holder", concurrency=1).start()
+    try:
+        capp.wait_busy.apply_async((name, 0, True), queue=own.queue)
+        wait_for(started(rc, name, 0), timeout=30, what="the holder runs")
+        before = _deferred(rc, "wait_busy")
+        waiter = capp.wait_busy.delay(name, 1)
+        wait_for(lambda: _deferred(rc, "wait_busy") > before, timeout=30, interval=0.2,
+                 what="the waiter put off")
+    finally:
+        own.kill()
+    killed = time.monotonic()
+    rc.decr(f"busy:{name}")  # the killed body's own decrement, which it never made
+    assert waiter.get(timeout=30) == 1
+    assert time.monotonic() - killed <= 8 + 2 + 3
+    assert recorded(rc, name) == ["start0", "start1", "end1"]  # the holder never ended
 
 
 def _deferred(rc: redis.Redis, task: str) -> int:
