@@ -15,21 +15,47 @@ code (one INFO line says why). Features are detected, never version strings comp
   ``_get_publish_topic``, one).
 - ``_publish_batch`` (a ``put`` keyword) / ``create_publish_batch``: ``producer.batch()``,
   kombu 5.7.
+
+The reliable fetch (:mod:`taskdedup.celery.fetch`) overrides the channel's consuming seams:
+``_brpop_start`` (send the wait for the next message on the event loop's connection) and
+``_brpop_read`` (read its reply and ``connection._deliver`` it), which the channel's
+``handlers['BRPOP']`` and the poller's ``_register_BRPOP`` call; it reads the channel's queue
+cycle (``_queue_cycle.consume``/``rotate``), ``priority_steps``, ``_q_for_pri``, ``sep``,
+``global_keyprefix``, ``active_queues`` and ``pool``, and subclasses its ``QoS`` (``append``,
+``ack``, ``reject``, ``restore_unacked``). :func:`reliable_fetch_missing` says what of that is
+missing when a worker starts; the worker then keeps kombu's fetch and logs a WARNING. Detected:
+
+- ``brpop_timeout`` (the wait's server-side timeout): an attribute from kombu 5.6; before, the
+  default of ``_brpop_start(timeout=1)``.
+- ``_brpop_sent_at``: kombu 5.7's health check of the waiting connection.
+- ``_flush_brpop_reauth``: kombu 5.7 re-authenticates the waiting connection after a reply.
+- ``Channel.close`` reading a pending ``BRPOP`` reply: kombu 5.6+ (the reliable fetch reads its
+  own pending reply before, on every release).
 """
 
 from __future__ import annotations
 
 import inspect
+import time
 from collections.abc import Mapping
 from typing import Any
 
 from kombu.transport import redis as kombu_redis
+from kombu.transport import virtual as kombu_virtual
+from kombu.utils.scheduling import cycle_by_name
 
 from ..events import logger
 
 __all__ = [
     "Channel",
+    "RedisQoS",
+    "SentinelChannel",
+    "SentinelTransport",
     "Transport",
+    "VirtualQoS",
+    "after_poll_reply",
+    "consume_order",
+    "fetch_source_keys",
     "flush_publish_batch",
     "forget_pending",
     "fused_push_missing",
@@ -37,13 +63,22 @@ __all__ = [
     "priority_queue_keys",
     "publish_topic_keys",
     "queue_expiry_ms",
+    "poll_timeout",
     "queue_list_key",
+    "queue_of_source",
+    "reliable_fetch_missing",
     "request_dict",
+    "rotate",
+    "send_poll",
     "transport_of",
 ]
 
 Channel = kombu_redis.Channel
 Transport = kombu_redis.Transport
+SentinelChannel = kombu_redis.SentinelChannel
+SentinelTransport = kombu_redis.SentinelTransport
+RedisQoS = kombu_redis.QoS
+VirtualQoS = kombu_virtual.QoS
 
 # What the fused push calls or reads on kombu's Redis channel (class attributes or methods).
 _CHANNEL_NEEDS = (
@@ -174,3 +209,125 @@ def forget_pending(task: Any, task_id: str) -> None:
 def request_dict(request: Any) -> Mapping[str, Any]:
     """The message fields of a worker's ``Request`` (``task_revoked`` gets the request)."""
     return getattr(request, "request_dict", None) or {}
+
+
+# -- the reliable fetch (the consuming side) --------------------------------------------------
+
+# What the reliable fetch calls, reads or overrides on kombu's Redis channel.
+_FETCH_NEEDS = (
+    ("_brpop_start", "method"),
+    ("_brpop_read", "method"),
+    ("basic_consume", "method"),
+    ("close", "method"),
+    ("_q_for_pri", "method"),
+    ("conn_or_acquire", "method"),
+    ("priority_steps", "value"),
+    ("sep", "value"),
+    ("global_keyprefix", "value"),
+    ("queue_order_strategy", "value"),
+    ("active_queues", "value"),
+    ("pool", "value"),
+    ("from_transport_options", "value"),
+    ("_in_poll", "value"),
+    ("ack_emulation", "value"),
+)
+_QOS_NEEDS = ("append", "ack", "reject", "restore_unacked", "restore_unacked_once", "_flush")
+
+
+def reliable_fetch_missing(channel: type[Any] = Channel) -> str | None:
+    """What of kombu's Redis channel the reliable fetch needs and cannot find, or None.
+
+    Checked when a worker with ``taskdedup_reliable_fetch`` starts: a kombu release that moved
+    one of these keeps kombu's own fetch (with a WARNING that it is not reliable) instead of
+    failing while it consumes.
+    """
+    for name, kind in _FETCH_NEEDS:
+        if not hasattr(channel, name):
+            return f"kombu's Redis channel has no {name}"
+        if kind == "method" and not callable(getattr(channel, name)):
+            return f"kombu's Redis channel's {name} is not a method"
+    for name in _QOS_NEEDS:
+        if not callable(getattr(RedisQoS, name, None)) or not callable(
+                getattr(VirtualQoS, name, None)):
+            return f"kombu's QoS has no {name}"
+    if not callable(getattr(Transport, "_deliver", None)):
+        return "kombu's virtual transport has no _deliver"
+    cycle = _cycle_class(channel)
+    if cycle is None or not (callable(getattr(cycle, "consume", None))
+                             and callable(getattr(cycle, "rotate", None))):
+        return "kombu's queue cycle has no consume/rotate"
+    try:
+        init = inspect.getsource(Channel.__init__)  # where the handlers are set
+        register = inspect.getsource(kombu_redis.MultiChannelPoller._register_BRPOP)
+    except (OSError, TypeError):
+        return "kombu's Redis channel's source cannot be read"
+    if "self._brpop_read" not in init or "_queue_cycle" not in init:
+        return "kombu's Redis channel does not read BRPOP replies with its _brpop_read"
+    if "_brpop_start" not in register:
+        return "kombu's poller does not start a BRPOP with the channel's _brpop_start"
+    return None
+
+
+def _cycle_class(channel: type[Any]) -> Any:
+    try:
+        return cycle_by_name(channel.queue_order_strategy)  # type: ignore[no-untyped-call]
+    except Exception:  # an unknown strategy name: kombu itself would fail
+        return None
+
+
+def consume_order(channel: Any) -> list[str]:
+    """The queues to look at, in kombu's order (round robin unless the channel's
+    ``queue_order_strategy`` says otherwise): what kombu's ``_brpop_start`` would wait on."""
+    return list(channel._queue_cycle.consume(len(channel.active_queues)))
+
+
+def fetch_source_keys(channel: Any, queues: list[str]) -> list[str]:
+    """The lists kombu's ``BRPOP`` would wait on for ``queues``, in its order (every queue's
+    list of one priority before the next priority), with kombu's global key prefix."""
+    prefix = channel.global_keyprefix
+    return [prefix + channel._q_for_pri(queue, pri) for pri in channel.priority_steps
+            for queue in queues]
+
+
+def queue_of_source(channel: Any, source: str) -> str:
+    """The queue a source list belongs to (its priority suffix and key prefix removed), as
+    kombu's ``_brpop_read`` names the destination of a message."""
+    prefix = channel.global_keyprefix
+    if prefix and source.startswith(prefix):
+        source = source[len(prefix):]
+    return str(source.rsplit(channel.sep, 1)[0])
+
+
+def rotate(channel: Any, queue: str) -> None:
+    """Move ``queue`` to the end of the round robin, as kombu does after a delivery."""
+    channel._queue_cycle.rotate(queue)
+
+
+def poll_timeout(channel: Any) -> float:
+    """The server-side timeout of kombu's wait: ``brpop_timeout`` (kombu 5.6+), else the
+    default of ``_brpop_start`` (1 s)."""
+    timeout = getattr(channel, "brpop_timeout", None)
+    if timeout is None:
+        default = inspect.signature(Channel._brpop_start).parameters.get("timeout")
+        timeout = default.default if default is not None else None
+    return float(timeout) if isinstance(timeout, (int, float)) and timeout > 0 else 1.0
+
+
+def send_poll(channel: Any, *args: Any) -> None:
+    """Send a command on the channel's waiting connection without reading its reply (the
+    event loop reads it when the socket is readable), and mark the wait as kombu does."""
+    connection = channel.client.connection
+    channel._in_poll = connection
+    if hasattr(type(channel), "_brpop_sent_at"):  # kombu 5.7: the wait's health check
+        channel._brpop_sent_at = time.monotonic()
+    connection.send_command(*args)
+
+
+def after_poll_reply(channel: Any) -> None:
+    """What kombu does once a wait's reply is read and no wait is pending: kombu 5.7 sends a
+    pending re-authentication on that connection."""
+    channel._in_poll = None
+    flush = getattr(channel, "_flush_brpop_reauth", None)
+    if flush is not None:
+        flush()
+

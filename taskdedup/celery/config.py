@@ -1,10 +1,12 @@
-"""The app's configuration, read once per app: the lock store and the publish path.
+"""The app's configuration, read once per app: the lock store, the publish path, the fetch.
 
 Store: ``app.conf.taskdedup_store`` (a Store or a ready redis client), else
 ``app.conf.taskdedup_url``, else ``TASKDEDUP_URL``, else the broker URL when it is Redis.
 Publish path (:func:`fuses`): the reservation inside the broker's push
 (:class:`~taskdedup.celery.transport.RedisTransport`, one round trip) or in a round trip of
-its own; decided once per app and logged.
+its own; decided once per app and logged. Fetch (:func:`reliable_fetch`): with
+``taskdedup_reliable_fetch``, a worker consumes through taskdedup's transport
+(:mod:`taskdedup.celery.fetch`); decided once per app and logged.
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ from ..exceptions import ConfigurationError
 from ..stores.base import Store
 from ..stores.redis import RedisStore
 from . import _compat
-from .transport import TRANSPORT, RedisTransport
+from .fetch import DEFAULT_LEASE, DEFAULT_POLL
+from .transport import SENTINEL_TRANSPORT, TRANSPORT, RedisTransport, SentinelTransport
 
-__all__ = ["fused_producer", "fuses", "get_deduplicator", "own_store", "say_publish_path"]
+__all__ = ["fused_producer", "fuses", "get_deduplicator", "own_store", "reliable_fetch",
+           "say_fetch_path", "say_publish_path", "use_reliable_fetch"]
 
 
 def get_deduplicator(app: Celery) -> Deduplicator:
@@ -121,6 +125,104 @@ def _choose(app: Celery) -> tuple[bool, str]:
     return True, (f"gated publishes reserve inside the broker's push (one round trip), through "
                   f"producers of their own on {TRANSPORT} (other tasks keep kombu's transport; "
                   "taskdedup_fused_publish=False turns this off)")
+
+
+def reliable_fetch(app: Celery) -> bool:
+    """Whether this app's workers consume through the reliable fetch (decided once, logged).
+
+    Yes when ``taskdedup_reliable_fetch`` is true (``CELERY_TASKDEDUP_RELIABLE_FETCH`` from
+    Django settings), the broker a worker reads from is one ``redis://``, ``rediss://`` or
+    ``sentinel://`` URL with kombu's transport or taskdedup's (no other ``broker_transport``),
+    and kombu's Redis channel still has what the fetch relies on
+    (:func:`taskdedup.celery._compat.reliable_fetch_missing`). Otherwise, with the setting on,
+    the worker keeps kombu's fetch and a WARNING says the fetch is not reliable, and why.
+    """
+    cached: bool | None = app.__dict__.get("_taskdedup_reliable")
+    if cached is None:
+        cached, why = _choose_fetch(app)
+        app.__dict__["_taskdedup_reliable"] = cached
+        app.__dict__["_taskdedup_reliable_why"] = why
+        say_fetch_path(app)
+    return cached
+
+
+def say_fetch_path(app: Celery) -> None:
+    """Log the fetch chosen for ``app``: INFO when reliable, WARNING when the setting asked for
+    it and it cannot be (nothing when the setting is off or nothing was chosen yet)."""
+    why = app.__dict__.get("_taskdedup_reliable_why")
+    if why is None:
+        return
+    if app.__dict__.get("_taskdedup_reliable"):
+        logger.info("taskdedup: Celery app %r: %s", app.main, why)
+    elif why:
+        logger.warning("taskdedup: Celery app %r: the fetch is not reliable (a worker killed "
+                       "between kombu's BRPOP and its unacked write loses the message): %s",
+                       app.main, why)
+
+
+def _choose_fetch(app: Celery) -> tuple[bool, str]:
+    conf = app.conf
+    if not conf.get("taskdedup_reliable_fetch"):
+        return False, ""
+    transport = conf.broker_transport
+    url = conf.broker_read_url or conf.broker_url
+    scheme = url.split("://", 1)[0].lower() if isinstance(url, str) else ""
+    ours = _fetch_transport(scheme)
+    own = "the worker keeps kombu's fetch"
+    if transport is not None and transport not in (RedisTransport, TRANSPORT, SentinelTransport,
+                                                   SENTINEL_TRANSPORT):
+        return False, f"broker_transport is {transport!r}, not taskdedup's: {own}"
+    if ours is None:
+        return False, f"the broker is not Redis ({scheme or 'no URL'}://): {own}"
+    missing = _compat.reliable_fetch_missing(ours.Channel)
+    if missing:
+        return False, f"{missing}: {own}"
+    options = conf.broker_transport_options or {}
+    if options.get("ack_emulation") is False:
+        return False, f"broker_transport_options['ack_emulation'] is False (no acks): {own}"
+    lease = float(conf.get("taskdedup_fetch_lease") or DEFAULT_LEASE)
+    return True, (f"the worker consumes through taskdedup's reliable fetch (a message moves "
+                  f"into a processing list of the worker's in one step; lease {lease:g}s)")
+
+
+def _fetch_transport(scheme: str) -> type[RedisTransport] | type[SentinelTransport] | None:
+    if scheme in ("redis", "rediss"):
+        return RedisTransport
+    if scheme == "sentinel":
+        return SentinelTransport
+    return None
+
+
+_TRANSPORT_NAMES = {RedisTransport: TRANSPORT, SentinelTransport: SENTINEL_TRANSPORT}
+
+
+def use_reliable_fetch(app: Celery, worker: str | None = None) -> bool:
+    """Make this worker process consume through the reliable fetch, when :func:`reliable_fetch`
+    says so: ``broker_transport`` becomes taskdedup's transport (kombu's, with the fused push
+    and the fetch: every other command is kombu's own) and ``broker_transport_options`` gain
+    the fetch's options (``taskdedup_fetch_lease``, ``taskdedup_fetch_poll``, the prefix, the
+    worker's name). Called when the worker starts, before it connects; the app's configuration
+    is not changed anywhere else."""
+    if not reliable_fetch(app):
+        return False
+    conf = app.conf
+    url = conf.broker_read_url or conf.broker_url
+    transport = _fetch_transport(str(url).split("://", 1)[0].lower())
+    if conf.broker_transport is None:
+        rediss = _bare_rediss(app)
+        conf.broker_transport = _TRANSPORT_NAMES[transport]  # type: ignore[index]
+        if rediss:  # what kombu infers from a bare rediss:// for its own transport name
+            conf.broker_use_ssl = {"ssl_cert_reqs": ssl.CERT_NONE}
+    prefix = conf.get("taskdedup_prefix") or os.environ.get("TASKDEDUP_PREFIX") or DEFAULT_PREFIX
+    conf.broker_transport_options = {
+        **(conf.broker_transport_options or {}),
+        "taskdedup_reliable_fetch": True,
+        "taskdedup_fetch_lease": float(conf.get("taskdedup_fetch_lease") or DEFAULT_LEASE),
+        "taskdedup_fetch_poll": float(conf.get("taskdedup_fetch_poll") or DEFAULT_POLL),
+        "taskdedup_prefix": prefix,
+        "taskdedup_worker": worker,
+    }
+    return True
 
 
 def _bare_rediss(app: Celery) -> bool:

@@ -19,7 +19,7 @@ from .. import running, stats
 from ..policy import Mode
 from . import _compat, claims
 from ._message import HEADER, RUNNING_ATTR, SKIPPED, STATE_ATTR, request_header
-from .config import get_deduplicator, say_publish_path
+from .config import get_deduplicator, say_fetch_path, say_publish_path, use_reliable_fetch
 from .task import DedupTask
 
 __all__: list[str] = []
@@ -184,13 +184,23 @@ signals.task_postrun.connect(_on_postrun, weak=False)
 
 
 
+def _on_worker_init(sender: Any = None, **_: Any) -> None:
+    """A worker starts, before it connects: with ``taskdedup_reliable_fetch``, it consumes
+    through taskdedup's transport (:func:`~taskdedup.celery.config.use_reliable_fetch`)."""
+    app = getattr(sender, "app", None)
+    if app is not None:
+        use_reliable_fetch(app, getattr(sender, "hostname", None))
+
+
 def _on_worker_setup(sender: Any = None, instance: Any = None, **_: Any) -> None:
-    """The publish path is chosen when tasks are bound, before Celery sets up a worker's
-    logging: say it again where the operator reads the worker's output."""
+    """The publish path and the fetch are chosen before Celery sets up a worker's logging:
+    say them again where the operator reads the worker's output."""
     if instance is not None:
         say_publish_path(instance.app)
+        say_fetch_path(instance.app)
 
 
+signals.worker_init.connect(_on_worker_init, weak=False)
 signals.celeryd_after_setup.connect(_on_worker_setup, weak=False)
 # Pool processes exit without atexit handlers: flush the last counts explicitly.
 signals.worker_process_shutdown.connect(lambda **_: stats.flush_before_exit(), weak=False)

@@ -1,10 +1,15 @@
-"""The one-round-trip publish: kombu's Redis transport whose push also reserves.
+"""taskdedup's kombu Redis transport: the one-round-trip publish, and the reliable fetch.
 
-A gated ``apply_async`` sets :data:`FUSED` for its message; this channel's ``_put`` (a queue)
-or ``_put_fanout`` (a broadcast) then runs the reservation and kombu's own push in one Lua
-script (``enqueue.lua``): no reservation without its message, no message without its
+Publishing: a gated ``apply_async`` sets :data:`FUSED` for its message; the channel's ``_put``
+(a queue) or ``_put_fanout`` (a broadcast) then runs the reservation and kombu's own push in one
+Lua script (``enqueue.lua``): no reservation without its message, no message without its
 reservation, a duplicate pushes nothing. Every other message goes through kombu's own code.
-What this relies on in kombu lives in :mod:`taskdedup.celery._compat`.
+
+Consuming: with the transport option ``taskdedup_reliable_fetch``, the channel consumes through
+per-worker processing lists (:mod:`taskdedup.celery.fetch`); else kombu's own fetch.
+
+:class:`SentinelTransport` is the same over kombu's Sentinel transport (``sentinel://``). What
+this relies on in kombu lives in :mod:`taskdedup.celery._compat`.
 """
 
 from __future__ import annotations
@@ -21,11 +26,16 @@ from ..exceptions import StoreUnavailableError
 from ..stores.base import LockResult, Outcome
 from ..stores.redis import may_have_run, reserve_and_run
 from . import _compat
+from .fetch import OPTIONS as FETCH_OPTIONS
+from .fetch import ReliableFetch
 
-__all__ = ["FUSED", "TRANSPORT", "Fused", "RedisTransport"]
+__all__ = ["FUSED", "SENTINEL_TRANSPORT", "TRANSPORT", "Fused", "RedisTransport",
+           "SentinelTransport"]
 
 TRANSPORT = "taskdedup.celery:RedisTransport"
 """``broker_transport`` of :class:`RedisTransport`."""
+SENTINEL_TRANSPORT = "taskdedup.celery.transport:SentinelTransport"
+"""``broker_transport`` of :class:`SentinelTransport`."""
 
 @dataclass
 class Fused:
@@ -81,7 +91,7 @@ def json_dumps(message: Any) -> str:
 FUSED: ContextVar[Fused | None] = ContextVar("taskdedup_fused", default=None)
 
 
-class _Channel(_compat.Channel):
+class FusedPush(_compat.Channel):
     """kombu's Redis channel, whose push also reserves the identity, in one Lua script."""
 
     _taskdedup_client: redis.Redis | None = None
@@ -133,6 +143,20 @@ class _Channel(_compat.Channel):
             for topic in _compat.publish_topic_keys(self, exchange, routing_key)])
 
 
+class _Channel(FusedPush, ReliableFetch):
+    """The fused push and the reliable fetch on kombu's Redis channel."""
+
+    from_transport_options: tuple[str, ...] = (
+        _compat.Channel.from_transport_options + FETCH_OPTIONS)  # type: ignore[assignment]
+
+
+class _SentinelChannel(FusedPush, ReliableFetch, _compat.SentinelChannel):
+    """The same on kombu's Sentinel channel."""
+
+    from_transport_options: tuple[str, ...] = (
+        _compat.SentinelChannel.from_transport_options + FETCH_OPTIONS)  # type: ignore[assignment]
+
+
 class RedisTransport(_compat.Transport):
     """kombu's Redis transport with the gate fused into the publish.
 
@@ -150,3 +174,10 @@ class RedisTransport(_compat.Transport):
     """
 
     Channel = _Channel
+
+
+class SentinelTransport(_compat.SentinelTransport):
+    """kombu's Sentinel transport (``sentinel://``) with taskdedup's channel: used by a worker
+    with the reliable fetch on a Sentinel broker."""
+
+    Channel = _SentinelChannel

@@ -1,0 +1,117 @@
+"""The Celery app of the reliable-fetch tests (SPEC §17), imported by the test process and by
+the worker subprocesses (``celery -A tests.fetch_app worker``).
+
+``TASKDEDUP_TEST_FETCH`` chooses the fetch: ``reliable`` (the default: ``taskdedup_reliable_fetch
+= True``) or ``kombu`` (kombu's own ``BRPOP``). Every body records the process that ran it in
+``fetch:ran:<label>``, so a test counts executions across workers that die.
+
+``TASKDEDUP_TEST_PAUSE_AFTER_FETCH=<seconds>`` aims a kill at the moment after the pop: the
+worker's consumer pauses right after a message left its queue, before the QoS records it
+(kombu's ``QoS.append``, the second round trip of kombu's fetch; the reliable fetch's message is
+in its processing list by then), after writing ``<pid> <task id>`` to ``fetch:popped``. A test
+waits for that line, then SIGKILLs the worker. Test instrumentation, not a seam of taskdedup.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from celery import Celery
+from celery.exceptions import Reject
+from kombu.transport import redis as kombu_redis
+
+from taskdedup import Policy
+from taskdedup.celery import DedupTask
+from taskdedup.celery.fetch import ReliableQoS
+from tests.effects import r
+
+URL = os.environ.get("TASKDEDUP_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+FETCH = os.environ.get("TASKDEDUP_TEST_FETCH", "reliable")
+VISIBILITY = float(os.environ.get("TASKDEDUP_TEST_VISIBILITY", "3600"))
+LEASE = float(os.environ.get("TASKDEDUP_TEST_FETCH_LEASE", "3"))
+
+app = Celery("fetch", broker=URL, backend=URL)
+app.conf.update(
+    task_default_queue=os.environ.get("TASKDEDUP_TEST_QUEUE", "fetch"),
+    broker_connection_retry_on_startup=True,
+    worker_prefetch_multiplier=1,
+    worker_hijack_root_logger=False,
+    task_acks_late=True,
+    task_reject_on_worker_lost=True,
+    result_expires=600,
+    taskdedup_stats=False,
+    taskdedup_reliable_fetch=FETCH == "reliable",
+    taskdedup_fetch_lease=LEASE,
+    broker_transport_options={
+        "visibility_timeout": VISIBILITY,
+        "unacked_restore_interval": 1,
+        "unacked_restore_throttle": 1,
+    },
+)
+
+
+def configure(url: str, queue: str) -> None:
+    """Point the app (in the test process) at the test server and a queue."""
+    global URL
+    os.environ["TASKDEDUP_TEST_REDIS_URL"] = url
+    URL = url
+    app.conf.update(broker_url=url, result_backend=url, task_default_queue=queue)
+    for name in [n for n in app.__dict__ if n.startswith("_taskdedup")]:
+        app.__dict__.pop(name, None)
+    app._pool = None
+    app.amqp._producer_pool = None
+    app._local.__dict__.pop("backend", None)
+
+
+def ran(label: str) -> list[str]:
+    """The processes that ran ``label``'s body, in order."""
+    return [x.decode() for x in r().lrange(f"fetch:ran:{label}", 0, -1)]
+
+
+@app.task
+def work(label: str, seconds: float = 0.0) -> str:
+    r().rpush(f"fetch:ran:{label}", os.getpid())
+    if seconds:
+        time.sleep(seconds)
+    return label
+
+
+@app.task(bind=True)
+def requeue_once(self: Any, label: str) -> str:
+    """Rejected with requeue on its first delivery, runs on the next."""
+    if r().incr(f"fetch:attempts:{label}") == 1:
+        raise Reject("not yet", requeue=True)
+    r().rpush(f"fetch:ran:{label}", os.getpid())
+    return label
+
+
+@app.task(base=DedupTask, dedup=Policy(mode="until_executed", ttl=60, lease=20))
+def gated(label: str, seconds: float = 0.0) -> str:
+    r().rpush(f"fetch:ran:{label}", os.getpid())
+    if seconds:
+        time.sleep(seconds)
+    return label
+
+
+def _pause_after_fetch(seconds: float) -> None:
+    """Pause every consumer right after the pop, before the QoS records the message."""
+
+    def paused(append: Any) -> Any:
+        def append_after_a_pause(self: Any, message: Any, delivery_tag: str) -> Any:
+            if not getattr(self, "_paused_once", None) == delivery_tag:
+                self._paused_once = delivery_tag
+                task_id = (message.headers or {}).get("id", "?")
+                r().rpush("fetch:popped", f"{os.getpid()} {task_id}")
+                time.sleep(seconds)
+            return append(self, message, delivery_tag)
+
+        return append_after_a_pause
+
+    kombu_redis.QoS.append = paused(kombu_redis.QoS.append)
+    ReliableQoS.append = paused(ReliableQoS.append)
+
+
+if os.environ.get("TASKDEDUP_TEST_PAUSE_AFTER_FETCH"):
+    _pause_after_fetch(float(os.environ["TASKDEDUP_TEST_PAUSE_AFTER_FETCH"]))
