@@ -578,11 +578,20 @@ STATE_WORDS: dict[LockState, str] = _STATE_WORDS
 SKIPPED_MARK = "skipped duplicate"
 
 
+SKIPPED_LEAD = "SKIPPED"
+"""The first key of a skipped duplicate's result, so that its repr leads with the word where
+operators scan truncated results (Flower's task list, rq-dashboard's job page, worker logs)."""
+
+
 def skipped_value(existing_id: str | None, state: LockState | None) -> dict[str, Any]:
     """The result of an execution skipped as a duplicate (Celery and RQ alike, JSON-friendly):
-    ``{"taskdedup": "skipped duplicate", "existing_id": ..., "state": ...}``."""
-    return {"taskdedup": SKIPPED_MARK, "existing_id": existing_id,
-            "state": STATE_WORDS.get(state) if state else None}
+    ``{"SKIPPED": "duplicate of <id> (<state>)", "taskdedup": "skipped duplicate",
+    "existing_id": ..., "state": ...}`` (the first key is for the eye; read it with
+    ``skipped_info``)."""
+    word = STATE_WORDS.get(state) if state else None
+    of = f"duplicate of {existing_id}" if existing_id else "duplicate of an earlier call"
+    return {SKIPPED_LEAD: f"{of} ({word})" if word else of, "taskdedup": SKIPPED_MARK,
+            "existing_id": existing_id, "state": word}
 
 
 def skipped_of(value: Any) -> dict[str, Any] | None:

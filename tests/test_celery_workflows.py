@@ -157,7 +157,8 @@ def test_a_duplicate_skipped_on_the_worker_ends_success_naming_the_original_in_e
     result = final(mapp, sent.id)
     assert result.state == SUCCESS
     assert skipped_info(result) == {"existing_id": held, "state": "done"}
-    assert result.get(timeout=5) == {"taskdedup": "skipped duplicate", "existing_id": held,
+    assert result.get(timeout=5) == {"SKIPPED": f"duplicate of {held} (done)",
+                                     "taskdedup": "skipped duplicate", "existing_id": held,
                                      "state": "done"}
     seen = events.final_state(sent.id)
     assert seen.state == SUCCESS and held in str(seen.result)

@@ -323,7 +323,8 @@ def test_while_executing_skips_a_concurrent_duplicate_as_finished_not_failed_wit
         assert skipped_info(Job.fetch(two.id, connection=rc)) == {
             "existing_id": one.id, "state": "running"
         }
-        assert two.return_value() == {"taskdedup": "skipped duplicate",
+        assert two.return_value() == {"SKIPPED": f"duplicate of {one.id} (running)",
+                                      "taskdedup": "skipped duplicate",
                                       "existing_id": one.id, "state": "running"}
         assert two.id not in q.failed_job_registry
         assert rc.lrange(f"callbacks:{two.id}", 0, -1) == []  # the body did not run
