@@ -132,6 +132,10 @@ class DjangoRowSource:
     def take(self, limit: int, grace_s: float) -> list[Row]:
         from ..outbox import Envelope, Row
 
+        # A long-running relay: drop a connection the database broke (a restart, a failover)
+        # or that CONN_MAX_AGE retired, as Django does between requests; the next query
+        # opens a new one.
+        connections[self.using].close_if_unusable_or_obsolete()
         now = timezone.now()
         with transaction.atomic(using=self.using):
             due = self._rows().filter(
