@@ -309,6 +309,14 @@ with override_settings(TASKDEDUP_CELERY_APP="mysite.celery:nope"):
     except ConfigurationError as exc:
         out["relay_app"].append(str(exc))
 out["relay_rq_db"] = project.rq_connection().connection_pool.connection_kwargs["db"]
+# the models and the shipped migration agree (makemigrations would write nothing)
+import io
+from django.core.management import call_command
+try:
+    call_command("makemigrations", "taskdedup", "--check", "--dry-run", stdout=io.StringIO())
+    out["migrations_in_sync"] = True
+except SystemExit:
+    out["migrations_in_sync"] = False
 print(json.dumps(out))
 """
 
@@ -343,6 +351,7 @@ def test_admin_is_read_only_and_effects_claims_once(project: Project) -> None:
     assert out["admin"]["index"]
     assert out["relay_app"][:2] == [True, True] and "mysite.celery:nope" in out["relay_app"][2]
     assert out["relay_rq_db"] == BROKER_DB  # django-rq's "default" queue's Redis
+    assert out["migrations_in_sync"]
 
 
 # -- two processes, one identity ----------------------------------------------------------
