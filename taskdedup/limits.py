@@ -297,10 +297,12 @@ def _store(dedup: Deduplicator) -> LimitStore:
 
 
 def admit(dedup: Deduplicator, task: str, limits: Sequence[Limit], args: Sequence[Any],
-          kwargs: Mapping[str, Any] | None, call_id: str, lease_ms: int) -> Admission:
+          kwargs: Mapping[str, Any] | None, call_id: str, lease_ms: int, *,
+          keys: Sequence[str] | None = None) -> Admission:
     """Take every limit of one execution of ``task`` (``call_id``: its task/job id), in
     order; a refusal gives back what was taken before it. Emits ``deferred:limit`` or
     ``dropped`` for a refused call. The slots taken are heartbeated until :func:`release`.
+    ``keys``: the limits' keys when the caller derived them already (an RQ job carries them).
 
     Raises:
         TypeError: a key function failed on these arguments (the call cannot be placed).
@@ -311,7 +313,8 @@ def admit(dedup: Deduplicator, task: str, limits: Sequence[Limit], args: Sequenc
     holder = f"{call_id}~{uuid.uuid4().hex[:12]}"
     try:
         for index, limit in enumerate(limits):
-            key = limit_key(dedup.prefix, task, index, limit, args, kwargs)
+            key = (keys[index] if keys is not None
+                   else limit_key(dedup.prefix, task, index, limit, args, kwargs))
             if isinstance(limit, Concurrency):
                 ok, figure = store.slot_acquire(key, holder, limit.limit, lease_ms)
             else:

@@ -9,14 +9,10 @@ from __future__ import annotations
 from taskdedup import Concurrency, Policy, Rate
 from taskdedup.celery import DedupTask
 from tests.celery_app import app, configure
-from tests.limits_jobs import hold
+from tests.limits_jobs import hold, tenant_of
 
 __all__ = ["app", "by_tenant", "by_tenant_nodedup", "configure", "drop_rate", "kill_one",
            "rate"]
-
-
-def tenant_of(label: str, tenant: str, n: int, seconds: float = 0.3, gate: bool = False) -> str:
-    return tenant
 
 
 @app.task(base=DedupTask, dedup=Policy(mode="until_executed", ttl=60, lease=8),

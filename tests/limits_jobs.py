@@ -10,11 +10,17 @@ processes, how many bodies of one key ran at once and when each started (Redis's
 
 from __future__ import annotations
 
+import os
 import time
 
 from tests.effects import r, wait_gate
 
-__all__ = ["hold", "peak", "runs", "started"]
+__all__ = ["hold", "peak", "runs", "started", "tenant_of"]
+
+
+def tenant_of(label: str, tenant: str, n: int, seconds: float = 0.3, gate: bool = False) -> str:
+    """The limits' key function: the tenant argument."""
+    return tenant
 
 
 def _now_ms() -> int:
@@ -26,6 +32,7 @@ def hold(label: str, tenant: str, n: int, seconds: float = 0.3, gate: bool = Fal
     client = r()
     start = _now_ms()
     client.rpush(f"lim:started:{label}", f"{n} {start}")
+    client.set(f"lim:pid:{label}:{n}", os.getpid(), ex=600)
     client.rpush(f"lim:peak:{label}:{tenant}", client.incr(f"lim:active:{label}:{tenant}"))
     client.rpush(f"lim:peak:{label}", client.incr(f"lim:active:{label}"))
     try:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import inspect
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any, Final
 
@@ -32,11 +32,13 @@ from ..core import (
 )
 from ..events import logger
 from ..exceptions import ConfigurationError, DuplicateTaskError, StoreUnavailableError
+from ..limits import Limit, coerce_limits
 from ..policy import MAX_DURATION_MS, OnDuplicate, Policy, PolicyLike, is_disabled
 from ..running import Running
 from ..stores.base import LockState, Store
 from ..stores.redis import RedisStore, may_have_run, reserve_and_run
 from . import _compat, many
+from . import limits as job_limits
 from .call import alive, decode_hash, delay_seconds, task_of
 from .config import get_deduplicator
 from .job import DedupJob
@@ -47,6 +49,7 @@ __all__ = ["DedupQueue"]
 _WORKFLOW_OPTIONS: Final = ("depends_on", "on_success", "on_failure", "on_stopped")
 _CREATE_JOB_PARAMS: Final = frozenset(inspect.signature(Queue.create_job).parameters) - {"self"}
 _ENQUEUE_CALL_SIGNATURE: Final = inspect.signature(Queue.enqueue_call)
+_CREATE_JOB_SIGNATURE: Final = inspect.signature(Queue.create_job)
 _NOT_FUSED: Final = _compat.FusedSupport("", "")  # locks elsewhere: no reason worth a log line
 _CLAIM_ATTR: Final = "_taskdedup_claim"
 """A synchronous job's claim, from ``run_sync`` to ``run_job`` (RQ calls one from the other)."""
@@ -62,6 +65,8 @@ class DedupQueue(Queue):
         dedup_store: where locks live (a Store, a ``redis.Redis`` or a URL); default the
             ``TASKDEDUP_URL`` environment variable, else the queue's own connection.
         dedup_prefix: the first component of lock keys (default ``taskdedup``).
+        limits: ``[taskdedup.Concurrency(...), taskdedup.Rate(...)]`` for every job of this
+            queue (SPEC §16), enforced by ``DedupWorker`` (run it ``--with-scheduler``).
 
     The other arguments are RQ's. Per call, the enqueue methods also take ``dedup=``
     (a Policy, a dict, or ``False`` to bypass both the gate and the worker guard) and
@@ -89,6 +94,7 @@ class DedupQueue(Queue):
         dedup: PolicyLike = None,
         dedup_store: Store | redis.Redis | str | None = None,
         dedup_prefix: str | None = None,
+        limits: Sequence[Limit] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(
@@ -104,6 +110,8 @@ class DedupQueue(Queue):
         except ValueError as exc:  # a bad prefix
             raise ConfigurationError(f"DedupQueue({name!r}): {exc}") from exc
         self._fused = self._check_fused()
+        self.dedup_limits: tuple[Limit, ...] = coerce_limits(
+            limits, f"DedupQueue({name!r})")
 
     def _check_fused(self) -> _compat.FusedSupport | None:
         """Whether a reservation can ride in the script that writes and queues (or schedules)
@@ -132,7 +140,17 @@ class DedupQueue(Queue):
     # -- jobs know their deduplicator ------------------------------------------------------
 
     def create_job(self, *args: Any, **kwargs: Any) -> Job:
-        """RQ's ``create_job``; a DedupJob also learns this queue's deduplicator (its store)."""
+        """RQ's ``create_job``; a DedupJob also learns this queue's deduplicator (its store),
+        and a call under the queue's ``limits=`` carries them in its meta (:mod:`.limits`)."""
+        if self.dedup_limits and not is_disabled():
+            bound = _CREATE_JOB_SIGNATURE.bind(self, *args, **kwargs)
+            call = bound.arguments
+            name = task_of(call["func"])[0]
+            lease = (self.dedup_policy or Policy()).lease
+            call["meta"] = {**(call.get("meta") or {}), job_limits.META_KEY: job_limits.meta_entry(
+                self.dedup, name, self.dedup_limits, lease, call.get("args") or (),
+                call.get("kwargs") or {})}
+            args, kwargs = bound.args[1:], bound.kwargs
         job = super().create_job(*args, **kwargs)
         if isinstance(job, DedupJob):
             job._taskdedup = self.dedup

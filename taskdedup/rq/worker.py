@@ -29,8 +29,9 @@ from ..running import Running
 from ..stores.base import Store
 from ..stores.redis import refused
 from . import _compat
+from . import limits as job_limits
 from .config import get_deduplicator
-from .logs import log_to_worker
+from .logs import log_to_worker, skipped_job
 from .meta import Guard, skip_result, trusted_guard
 
 if TYPE_CHECKING:
@@ -173,7 +174,13 @@ class DedupWorker(Worker):
                 f"taskdedup: job {job.id} carries no usable lock key and its arguments have "
                 f"no identity ({exc}); not run"))
         if guard is None:
-            return bool(super().perform_job(job, queue, *run))
+            limited = job_limits.enter(self, job, queue, execution, run, None)
+            if limited is not None:
+                return limited
+            try:
+                return bool(super().perform_job(job, queue, *run))
+            finally:
+                job_limits.leave(self, job)
         try:
             result = self.dedup.start(guard.name, guard.policy, guard.key, job.id)
         except StoreUnavailableError as exc:
@@ -194,6 +201,9 @@ class DedupWorker(Worker):
             return True
         if result.verdict is Verdict.ACCEPTED and guard.policy.mode.gates_execution:
             self._dedup_claims[job.id] = guard
+        limited = job_limits.enter(self, job, queue, execution, run, guard)  # SPEC §16
+        if limited is not None:
+            return limited
         # the body (and taskdedup.sql.effects in it) sees the identity the job carried
         token = running.enter(Running(guard.name, job.id, guard.key, guard.policy.ttl,
                                       redelivery=None))  # RQ has no visibility timeout
@@ -201,6 +211,7 @@ class DedupWorker(Worker):
             return bool(super().perform_job(job, queue, *run))
         finally:
             running.leave(token)
+            job_limits.leave(self, job)
             if self._dedup_claims.pop(job.id, None) is not None:
                 self.dedup.stop_heartbeat(guard.key, job.id)
 
@@ -386,10 +397,12 @@ class DedupWorker(Worker):
         self.prepare_job_execution(job, remove_from_intermediate_queue=len(self.queues) == 1)
         job.started_at = now()
         self.handle_execution_ended(job, queue, job.success_callback_timeout)
-        _compat.mark_finished(job, skip_result(job, result))
-        self.handle_job_success(job=job, queue=queue,
-                                started_job_registry=queue.started_job_registry,
-                                execution=execution)
+        value = skip_result(job, result)
+        _compat.mark_finished(job, value)
+        with skipped_job(self.log, job, value):  # says so where operators look
+            self.handle_job_success(job=job, queue=queue,
+                                    started_job_registry=queue.started_job_registry,
+                                    execution=execution)
 
     def _retry_later(
         self, job: Job, queue: Queue, execution: Execution | None, guard: Guard,
