@@ -10,9 +10,11 @@ relays on PostgreSQL (``FOR UPDATE SKIP LOCKED``) publish each row once.
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -84,6 +86,19 @@ def relay_process(url: str, redis_url: str, queue: str, *extra: str) -> subproce
         [sys.executable, "-m", "taskdedup", "outbox", "relay", "--grace", "0", "--poll",
          "0.1", *extra], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True)
+
+
+def running(proc: subprocess.Popen[str], timeout: float = 60) -> None:
+    """Wait for a relay's banner (printed once its signal handlers are in place)."""
+    assert proc.stderr is not None
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0 or proc.poll() is not None:
+            raise TimeoutError(f"the relay did not start (exit {proc.poll()})")
+        ready, _, _ = select.select([proc.stderr], [], [], left)
+        if ready and "taskdedup outbox relay on" in proc.stderr.readline():
+            return
 
 
 def rows(engine: sa.Engine) -> int:
@@ -168,12 +183,14 @@ def test_two_relays_on_postgresql_publish_each_row_once(rc: redis.Redis, redis_u
     queue = f"obxw-nobody-{uuid.uuid4().hex[:6]}"  # no worker: every publish stays there
     outbox_apps.configure(redis_url, queue)
     try:
-        envelopes = [pack(record, new_label()) for _ in range(60)]
-        for envelope in envelopes:
-            left_by_a_dead_producer(engine, envelope)
         url = engine.url.render_as_string(hide_password=False)
         relays = [relay_process(url, redis_url, queue, "--batch", "4") for _ in range(2)]
         try:
+            for proc in relays:
+                running(proc)  # both take rows from the start (and stop on SIGTERM)
+            envelopes = [pack(record, new_label()) for _ in range(60)]
+            for envelope in envelopes:
+                left_by_a_dead_producer(engine, envelope)
             wait_for(lambda: rows(engine) == 0, timeout=60, what="the rows were published")
         finally:
             for proc in relays:
