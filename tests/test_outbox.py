@@ -32,7 +32,7 @@ from taskdedup.sql import init, outbox
 from taskdedup.sql.outbox import SqlRows, backlog, insert_row
 from taskdedup.sql.schema import OUTBOX
 from tests import outbox_apps
-from tests.outbox_apps import record, rq_record
+from tests.outbox_apps import POLICY, record, rq_record
 from tests.sqldb import DIALECTS, postgres_url
 
 
@@ -451,3 +451,28 @@ def test_sql_init_creates_both_tables(tmp_path: Path) -> None:
     assert [c.name for c in outbox_table(metadata).columns] == [
         "id", "kind", "target", "body", "created", "next_attempt", "attempts", "last_error"]
     engine.dispose()
+
+
+def test_a_lock_its_own_id_holds_with_no_message_behind_it_is_published(
+    rc: redis.Redis, queue: DedupQueue, celery_queue: str
+) -> None:
+    """A producer killed between its reservation and its push leaves its id's lock queued
+    and nothing in the broker: the relay's publish is never dropped as a duplicate of
+    itself."""
+    from taskdedup.celery import get_deduplicator
+
+    celery_label, rq_label = label(), label()
+    celery_row, rq_row = pack(record, celery_label), pack(queue, rq_record, rq_label)
+    celery_key = get_deduplicator(outbox_apps.app).identity(
+        record.name, POLICY, (celery_label,), {}, func=record._func()).key
+    rq_key = queue.dedup.identity("tests.outbox_apps.rq_record", POLICY, (rq_label,), {},
+                                  func=rq_record).key
+    rc.set(celery_key, f"Q||{celery_row.id}", px=60_000)
+    rc.set(rq_key, f"Q||{rq_row.id}", px=60_000)
+    publisher = Publisher(celery_app=outbox_apps.app, rq_connection=rc)
+    publisher.publish(celery_row)
+    publisher.publish(rq_row)
+    assert celery_row.id.encode() in rc.lindex(celery_queue, 0)  # type: ignore[operator]
+    assert rc.lrange(f"rq:queue:{queue.name}", 0, -1) == [rq_row.id.encode()]
+    assert rc.get(rq_key) == f"Q||{rq_row.id}".encode()
+    rc.delete(celery_queue)
