@@ -36,6 +36,7 @@ from rich.text import Text
 
 from .core import DEFAULT_PREFIX, Deduplicator
 from .exceptions import ConfigurationError
+from .limits import LimitStats, read_limits
 from .locks import (
     Lock,
     batches,
@@ -689,6 +690,33 @@ def _windows_table(windows: dict[str, WindowStats], where: str) -> Table:
     return table
 
 
+def _limit_rows(live: dict[str, LimitStats],
+                stats: dict[str, TaskStats]) -> dict[str, dict[str, int]]:
+    """Per task with limits (SPEC §16): slots in use and calls waiting (live, from Redis),
+    calls put off and dropped by a limit (counted). Never per key value."""
+    rows: dict[str, dict[str, int]] = {}
+    for name in sorted(set(live) | {n for n, item in stats.items()
+                                    if item.get("deferred:limit") or item.get("dropped")}):
+        figures = live.get(name, LimitStats(name))
+        counted = stats.get(name)
+        rows[name] = {
+            "slots_in_use": figures.slots_in_use, "waiting": figures.waiting,
+            "deferred": counted.get("deferred:limit") if counted else 0,
+            "dropped": counted.get("dropped") if counted else 0,
+        }
+    return rows
+
+
+def _limits_table(rows: dict[str, dict[str, int]], where: str) -> Table:
+    table = Table(title=_title(f"taskdedup limits at {where}"), title_justify="left")
+    for name in ("task", "slots in use", "waiting", "put off", "dropped"):
+        table.add_column(name, justify="left" if name == "task" else "right")
+    for name, row in rows.items():
+        table.add_row(_cell(name), str(row["slots_in_use"]), str(row["waiting"]),
+                      str(row["deferred"]), str(row["dropped"]))
+    return table
+
+
 @main.command("stats")
 @click.option("--task", help="Only this task.")
 @click.option("--watch", type=click.FloatRange(min=0.1), is_flag=False, flag_value=2.0,
@@ -707,6 +735,10 @@ def stats_command(env: _Env, task: str | None, watch: float | None, as_json: boo
     Tasks with an approximate window (taskdedup.Approximate) also show, read from their live
     slices: identities remembered, fill ratio, estimated false-positive rate, live slices and
     slices dropped (in --json, under the task's "window").
+
+    Tasks with limits (taskdedup.Concurrency / Rate) also show the slots in use and the calls
+    waiting now (read live from Redis), and the calls put off and dropped by a limit (in
+    --json, under the task's "limits"); per task, never per key value.
     """
     client = env.client()
 
@@ -722,7 +754,13 @@ def stats_command(env: _Env, task: str | None, watch: float | None, as_json: boo
         data: dict[str, Any] = {name: item.as_dict() for name, item in stats.items()}
         for name, window in windows().items():
             data.setdefault(name, {})["window"] = window.as_dict()
+        for name, row in limit_rows(stats).items():
+            data.setdefault(name, {})["limits"] = row
         return data
+
+    def limit_rows(stats: dict[str, TaskStats]) -> dict[str, dict[str, int]]:
+        with _redis_errors(env):
+            return _limit_rows(read_limits(client, env.prefix, task), stats)
 
     if watch is None:
         stats = read()
@@ -730,7 +768,8 @@ def stats_command(env: _Env, task: str | None, watch: float | None, as_json: boo
             _echo_json(as_data(stats))
             return
         found = windows()
-        if not stats and not found:
+        limited = limit_rows(stats)
+        if not stats and not found and not limited:
             click.echo(_no_stats(env.prefix, task))
         if stats:
             _console().print(_stats_table(stats, env.where))
@@ -738,6 +777,8 @@ def stats_command(env: _Env, task: str | None, watch: float | None, as_json: boo
                 _console().print(Text(note))
         if found:
             _console().print(_windows_table(found, env.where))
+        if limited:
+            _console().print(_limits_table(limited, env.where))
         return
     try:
         if as_json:

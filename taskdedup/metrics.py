@@ -14,7 +14,10 @@
 and, for approximate windows (SPEC §12), :func:`attach_windows` registers a collector that
 reads the live slices at scrape time (never on the hot path): per task
 ``taskdedup_window_fill_ratio``, ``taskdedup_window_false_positive_rate`` (estimated),
-``taskdedup_window_identities`` (remembered) and ``taskdedup_window_slices_dropped``.
+``taskdedup_window_identities`` (remembered) and ``taskdedup_window_slices_dropped``;
+for per-key limits (SPEC §16), :func:`attach_limits` reads per task, at scrape time,
+``taskdedup_limit_slots_in_use`` and ``taskdedup_limit_waiting`` (calls put off now); the
+calls put off and dropped are ``taskdedup_events_total{event="deferred"|"dropped"}``.
 
 Labels are the task name and the event only, never an argument, a key or a task id, so the
 cardinality stays at (tasks x events). ``prometheus_client`` is imported when a listener is
@@ -43,8 +46,8 @@ if TYPE_CHECKING:
     from .core import Deduplicator
 
 __all__ = [
-    "GATE_BUCKETS", "INSTALL_HINT", "PrometheusListener", "WindowCollector", "attach",
-    "attach_windows",
+    "GATE_BUCKETS", "INSTALL_HINT", "LimitCollector", "PrometheusListener", "WindowCollector",
+    "attach", "attach_limits", "attach_windows",
 ]
 
 INSTALL_HINT: Final = "pip install 'taskdedup[prometheus]'"
@@ -216,5 +219,52 @@ def attach_windows(client: Any, prefix: str = "taskdedup", registry: Any = None)
     """
     prometheus = _prometheus()
     collector = WindowCollector(client, prefix)
+    (prometheus.REGISTRY if registry is None else registry).register(collector)
+    return collector
+
+
+class LimitCollector:
+    """A Prometheus collector of per-key limits (SPEC §16), read from Redis when scraped
+    (:func:`taskdedup.limits.read_limits`): per task, never per key value, the slots in use
+    and the calls waiting now. A scrape that cannot reach Redis yields nothing (WARNING)."""
+
+    def __init__(self, client: Any, prefix: str = "taskdedup") -> None:
+        self.client = client
+        self.prefix = prefix
+
+    def collect(self) -> Any:
+        from .events import logger
+        from .limits import read_limits
+
+        core = importlib.import_module("prometheus_client.core")
+        try:
+            found = read_limits(self.client, self.prefix)
+        except Exception as exc:
+            logger.warning("taskdedup: could not read the limits: %s", exc)
+            return
+        slots = core.GaugeMetricFamily(
+            "taskdedup_limit_slots_in_use",
+            "Concurrency slots held now by running bodies of a task (all its key values).",
+            labels=["task"])
+        waiting = core.GaugeMetricFamily(
+            "taskdedup_limit_waiting",
+            "Calls of a task put off by a limit now, waiting for a slot or a window.",
+            labels=["task"])
+        for name, figures in found.items():
+            slots.add_metric([name], figures.slots_in_use)
+            waiting.add_metric([name], figures.waiting)
+        yield slots
+        yield waiting
+
+
+def attach_limits(client: Any, prefix: str = "taskdedup", registry: Any = None) -> LimitCollector:
+    """Export the per-key limits of ``client``'s Redis to Prometheus (slots in use, calls
+    waiting, per task).
+
+    Raises:
+        ImportError: ``prometheus_client`` is not installed (the message says what to run).
+    """
+    prometheus = _prometheus()
+    collector = LimitCollector(client, prefix)
     (prometheus.REGISTRY if registry is None else registry).register(collector)
     return collector

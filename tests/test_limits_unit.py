@@ -195,7 +195,9 @@ def test_heartbeat_keeps_a_slot_past_its_lease(redis_client: redis.Redis) -> Non
     time.sleep(1.5)  # more than two leases: only the heartbeat keeps it
     assert not limits.admit(dedup, "t", declared, (), {}, "other", 600).ok
     limits.release(dedup, held.slots)
-    assert limits.admit(dedup, "t", declared, (), {}, "other", 600).ok
+    other = limits.admit(dedup, "t", declared, (), {}, "other", 600)
+    assert other.ok
+    limits.release(dedup, other.slots)
 
 
 def test_delay_follows_the_hint_or_backs_off() -> None:
@@ -206,3 +208,58 @@ def test_delay_follows_the_hint_or_backs_off() -> None:
     assert limits.limit_delay(conc, 0, 1000, 60) <= limits.MAX_WAIT * 1.2
     assert limits.limit_delay(conc, 0, 1000, 60, redelivery=2) <= 1.0
     assert limits.limited_since("x") is None and limits.limited_since(time.time()) is not None
+
+
+# -- operators -----------------------------------------------------------------------------
+
+
+def test_operators_see_slots_waiting_and_drops_per_task(
+    redis_client: redis.Redis, redis_url: str
+) -> None:
+    import json
+
+    from click.testing import CliRunner
+    from prometheus_client import CollectorRegistry
+
+    from taskdedup.cli import main
+    from taskdedup.metrics import attach_limits
+    from taskdedup.stats import attach
+
+    dedup = Deduplicator(RedisStore(redis_client), prefix="ops")
+    recorder = attach(dedup, interval=3600)
+    assert recorder is not None
+    declared = limits.coerce_limits(
+        [Concurrency(2, key=lambda tenant: tenant), Rate(1, per=60, on_excess="drop")], "t")
+    held = [limits.admit(dedup, "app.sync", declared[:1], (tenant,), {}, f"id-{n}", 60_000)
+            for n, tenant in enumerate(("secret-tenant-a", "secret-tenant-b"))]
+    assert all(a.ok for a in held)
+    assert limits.admit(dedup, "app.sync", declared[1:], ("x",), {}, "r1", 60_000).ok
+    assert limits.admit(dedup, "app.sync", declared[1:], ("x",), {}, "r2", 60_000).dropped
+    limits.note_waiting(dedup, "app.sync", "w1", 5.0)
+    recorder.flush()
+
+    result = CliRunner().invoke(main, ["--url", redis_url, "--prefix", "ops", "stats",
+                                       "--json"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["app.sync"]["limits"] == {"slots_in_use": 2, "waiting": 1, "deferred": 0,
+                                          "dropped": 1}
+    table = CliRunner().invoke(main, ["--url", redis_url, "--prefix", "ops", "stats"],
+                               catch_exceptions=False)
+    assert "taskdedup limits" in table.output and "secret-tenant" not in table.output
+
+    registry = CollectorRegistry()
+    attach_limits(redis_client, "ops", registry)
+    assert registry.get_sample_value("taskdedup_limit_slots_in_use", {"task": "app.sync"}) == 2
+    assert registry.get_sample_value("taskdedup_limit_waiting", {"task": "app.sync"}) == 1
+
+    limits.release(dedup, held[0].slots)
+    limits.note_waiting(dedup, "app.sync", "w1", None)
+    assert limits.read_limits(redis_client, "ops")["app.sync"] == limits.LimitStats(
+        "app.sync", 1, 0)
+    # a key value is never stored: only its digest
+    assert not [k for k in redis_client.scan_iter("ops:*") if b"secret" in k]
+    zsets = [k for k in redis_client.scan_iter("ops:limit:*") if redis_client.type(k) == b"zset"]
+    assert len(zsets) == 2  # tenant b's slots, the rate's window
+    assert not [k for k in zsets if any(b"secret" in m for m in redis_client.zrange(k, 0, -1))]
+    limits.release(dedup, held[1].slots)
