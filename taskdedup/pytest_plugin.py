@@ -13,15 +13,18 @@ unless a test asks for it:
   (:class:`~taskdedup.testing.RedisServer`), started the first time a test asks for it;
 * ``taskdedup_redis_url`` (session): that server's URL, or the one given with
   ``--taskdedup-redis-url`` (then no server is started);
-* ``taskdedup_disabled``: gating off for the test (:func:`taskdedup.disabled`).
+* ``taskdedup_disabled``: gating off for the test (:func:`taskdedup.disabled`);
+* ``taskdedup_in_memory``: call it with a Celery app (e.g. your module-level one) to run its
+  locks in ``taskdedup_memory_store`` for this test: the app's settings are restored and what
+  taskdedup cached on it forgotten (:func:`taskdedup.testing.reset`) before and after.
 
 The plugin imports nothing heavy at collection time; ``-p no:taskdedup`` turns it off.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -33,6 +36,7 @@ __all__ = [
     "pytest_addoption",
     "taskdedup_clock",
     "taskdedup_disabled",
+    "taskdedup_in_memory",
     "taskdedup_memory_store",
     "taskdedup_redis_server",
     "taskdedup_redis_url",
@@ -95,3 +99,32 @@ def taskdedup_disabled() -> Iterator[None]:
 
     with disabled():
         yield
+
+
+@pytest.fixture
+def taskdedup_in_memory(
+    taskdedup_memory_store: MemoryStore,
+) -> Iterator[Callable[[Any], MemoryStore]]:
+    """``taskdedup_in_memory(app)``: this test's ``taskdedup_memory_store`` (on
+    ``taskdedup_clock``) becomes ``app``'s store, with the stats flush off (no Redis); the
+    app's settings and caches are put back when the test ends, so a module-level app starts
+    every test afresh. Returns the store."""
+    from .testing import reset
+
+    touched: list[tuple[Any, dict[str, Any]]] = []
+
+    def use(app: Any) -> MemoryStore:
+        keys = ("taskdedup_store", "taskdedup_stats")
+        touched.append((app, {k: app.conf[k] for k in keys if k in app.conf}))
+        app.conf.update(taskdedup_store=taskdedup_memory_store, taskdedup_stats=False)
+        reset(app)
+        return taskdedup_memory_store
+
+    yield use
+    for app, before in reversed(touched):
+        for key in ("taskdedup_store", "taskdedup_stats"):
+            if key in before:
+                app.conf[key] = before[key]
+            else:
+                app.conf.pop(key, None)
+        reset(app)

@@ -21,9 +21,19 @@ from pathlib import Path
 from types import TracebackType
 from typing import TypeVar
 
-__all__ = ["FakeClock", "RedisServer", "find_server_binary", "free_port", "wait_for"]
+__all__ = ["FakeClock", "RedisServer", "find_server_binary", "free_port", "reset", "wait_for"]
 
 T = TypeVar("T")
+
+
+def reset(app: object) -> None:
+    """Forget what taskdedup cached on ``app`` (a Celery app): its store, its deduplicator and
+    its publish path, read once from ``app.conf`` on first use. The next call reads the
+    settings again — for a test suite that points one module-level app at a new store (and
+    clock) in each test. Settings themselves are left as they are."""
+    cached = getattr(app, "__dict__", {})
+    for name in [name for name in cached if name.startswith("_taskdedup")]:
+        del cached[name]
 
 
 def wait_for(

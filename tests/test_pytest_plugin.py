@@ -30,7 +30,7 @@ def test_the_plugin_is_registered_under_pytest11() -> None:
 def test_the_fixtures_are_listed(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest("--fixtures", "-p", "no:cacheprovider")
     for name in ("taskdedup_clock", "taskdedup_memory_store", "taskdedup_redis_server",
-                 "taskdedup_redis_url", "taskdedup_disabled"):
+                 "taskdedup_redis_url", "taskdedup_disabled", "taskdedup_in_memory"):
         result.stdout.fnmatch_lines([f"{name}*"])
 
 
@@ -151,14 +151,36 @@ def test_the_disabled_fixture_turns_gating_off_for_one_test(pytester: pytest.Pyt
     result.assert_outcomes(passed=2)
 
 
-def test_the_eager_recipe_of_the_testing_page_passes(pytester: pytest.Pytester) -> None:
+def _recipes() -> dict[str, str]:
     text = DOC.read_text()
     blocks = re.findall(r"```python\n(# (test_\w+\.py)\n.*?)```", text, re.DOTALL)
-    assert [name for _, name in blocks] == ["test_eager_recipe.py"]
-    source, name = blocks[0]
-    pytester.path.joinpath(name).write_text(source)
+    return {name: source for source, name in blocks}
+
+
+RECIPES = ["test_eager_recipe.py", "test_module_app_recipe.py", "test_rq_recipe.py"]
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_the_recipes_of_the_testing_page_pass(pytester: pytest.Pytester, name: str) -> None:
+    recipes = _recipes()
+    assert sorted(recipes) == RECIPES
+    pytester.path.joinpath(name).write_text(recipes[name])
     result = pytester.runpytest("-p", "no:cacheprovider", name)
     result.assert_outcomes(passed=3)
+
+
+def test_a_module_level_app_leaks_between_tests_without_the_reset(
+    pytester: pytest.Pytester,
+) -> None:
+    # the stumble the fixture fixes: the same recipe, setting the store by hand
+    source = _recipes()["test_module_app_recipe.py"].replace(
+        "taskdedup_in_memory(app)  #",
+        "app.conf.update(taskdedup_store=taskdedup_memory_store, taskdedup_stats=False)  #",
+    ).replace("def locks_in_memory(taskdedup_in_memory):",
+              "def locks_in_memory(taskdedup_memory_store):")
+    pytester.path.joinpath("test_by_hand.py").write_text(source)
+    result = pytester.runpytest("-p", "no:cacheprovider", "test_by_hand.py")
+    result.assert_outcomes(passed=1, failed=2)
 
 
 # -- taskdedup.disabled() ------------------------------------------------------------------------

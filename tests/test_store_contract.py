@@ -760,6 +760,7 @@ def test_redis_store_on_a_closed_port_raises_store_unavailable_with_the_address(
     message = str(caught.value)
     assert f"127.0.0.1:{port}" in message
     assert "is Redis running" in message and "on_store_error='allow'" in message
+    assert "dedup_store=" in message and "fakeredis[lua]" in message  # what to point where
     assert isinstance(caught.value.__cause__, redis.exceptions.ConnectionError)
 
 

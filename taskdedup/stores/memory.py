@@ -118,6 +118,13 @@ class MemoryStore:
     def __repr__(self) -> str:
         return f"<MemoryStore {len(self._data)} keys>"
 
+    def clear(self) -> None:
+        """Forget every lock, window and limit: the store as new (for a test reusing one)."""
+        with self._lock:
+            self._data.clear()
+            self._slices.clear()
+            self._zsets.clear()
+
     # -- internals (call with self._lock held) ----------------------------------------------
 
     def _read(self, key: str, now: float) -> tuple[str, float] | None:

@@ -96,7 +96,7 @@ _SCHEMES = {
 _URL_PASSWORD = re.compile(r"(://[^:@/]*):[^@/]*@")
 _GLOB_SPECIAL = re.compile(r"([\\*?\[\]])")
 
-_ALLOW_HINT = "set on_store_error='allow' to proceed without dedup"
+_ALLOW_HINT = "to run without dedup while the store is down: on_store_error='allow'"
 
 # reserve_many packs and sends this many commands per socket write.
 _SEND_SLICE = 1000
@@ -204,7 +204,12 @@ def unavailable(
             "password"
         )
     elif isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
-        what = f"Redis at {where} is unreachable ({detail}); is Redis running at {where}?"
+        what = (
+            f"Redis at {where} is unreachable ({detail}); is Redis running at {where}? The "
+            "locks live where the store points: DedupQueue(dedup_store=...) or the "
+            "taskdedup_store / taskdedup_url setting (in tests without a server: a "
+            "MemoryStore, fakeredis[lua], or the taskdedup_redis_url fixture)"
+        )
     elif isinstance(exc, ReadOnlyError):
         what = (
             f"Redis at {where} is a read-only replica ({detail}); point taskdedup at the "
