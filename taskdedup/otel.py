@@ -32,7 +32,9 @@ from collections.abc import Collection
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Final
 
+from .core import STATE_WORDS
 from .events import DedupEvent, Event, Events
+from .stores.base import LockState
 
 INSTALL_HINT: Final = "pip install 'taskdedup[otel]'"
 
@@ -54,6 +56,8 @@ COUNTER: Final = "taskdedup.decisions"
 
 _ROUTINE: Final = frozenset({Event.RESERVED, Event.CLAIMED, Event.COMPLETED})
 """Decisions that are the normal life of a call: span events only, never a span of their own."""
+
+_STATES: Final = frozenset(state.value for state in STATE_WORDS)
 
 _PUBLISHED: Final = frozenset({"replaced"})
 """Duplicate details whose call was published all the same (it replaced the queued one)."""
@@ -78,7 +82,10 @@ def _attributes(event: DedupEvent, decision: str) -> dict[str, str]:
     if event.existing_id is not None:
         attributes["taskdedup.existing_id"] = event.existing_id
     if event.detail is not None:
-        attributes["taskdedup.detail"] = event.detail
+        detail = event.detail
+        if event.event is Event.SKIPPED and detail in _STATES:  # the holder's state, in words
+            detail = STATE_WORDS[LockState(detail)]
+        attributes["taskdedup.detail"] = detail
     if event.key:
         attributes["taskdedup.lock_key"] = _safe_key(event.key)
     return attributes
