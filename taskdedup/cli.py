@@ -36,7 +36,7 @@ from rich.text import Text
 
 from .core import DEFAULT_PREFIX, Deduplicator
 from .exceptions import ConfigurationError
-from .limits import LimitStats, read_limits
+from .limits import summary
 from .locks import (
     Lock,
     batches,
@@ -690,23 +690,6 @@ def _windows_table(windows: dict[str, WindowStats], where: str) -> Table:
     return table
 
 
-def _limit_rows(live: dict[str, LimitStats],
-                stats: dict[str, TaskStats]) -> dict[str, dict[str, int]]:
-    """Per task with limits (SPEC §16): slots in use and calls waiting (live, from Redis),
-    calls put off and dropped by a limit (counted). Never per key value."""
-    rows: dict[str, dict[str, int]] = {}
-    for name in sorted(set(live) | {n for n, item in stats.items()
-                                    if item.get("deferred:limit") or item.get("dropped")}):
-        figures = live.get(name, LimitStats(name))
-        counted = stats.get(name)
-        rows[name] = {
-            "slots_in_use": figures.slots_in_use, "waiting": figures.waiting,
-            "deferred": counted.get("deferred:limit") if counted else 0,
-            "dropped": counted.get("dropped") if counted else 0,
-        }
-    return rows
-
-
 def _limits_table(rows: dict[str, dict[str, int]], where: str) -> Table:
     table = Table(title=_title(f"taskdedup limits at {where}"), title_justify="left")
     for name in ("task", "slots in use", "waiting", "put off", "dropped"):
@@ -760,7 +743,7 @@ def stats_command(env: _Env, task: str | None, watch: float | None, as_json: boo
 
     def limit_rows(stats: dict[str, TaskStats]) -> dict[str, dict[str, int]]:
         with _redis_errors(env):
-            return _limit_rows(read_limits(client, env.prefix, task), stats)
+            return summary(client, env.prefix, stats, task)
 
     if watch is None:
         stats = read()

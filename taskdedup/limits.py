@@ -60,6 +60,7 @@ __all__ = [
     "limit_key",
     "limited_since",
     "read_limits",
+    "summary",
     "release",
 ]
 
@@ -510,3 +511,26 @@ def read_limits(client: Any, prefix: str = "taskdedup",
             out[name] = LimitStats(name, slots.get(name, 0), waiting.get(name, 0))
     return out
 
+
+def summary(client: Any, prefix: str, stats: Mapping[str, Any],
+            task: str | None = None) -> dict[str, dict[str, int]]:
+    """Per task with limits: ``slots_in_use`` and ``waiting`` (live, :func:`read_limits`),
+    ``deferred`` and ``dropped`` (the counters in ``stats``: :func:`taskdedup.stats.read_stats`
+    answers); what ``taskdedup stats``, the dashboard and its API show. Never per key value.
+
+    Raises:
+        redis.RedisError: Redis could not be reached or refused a command.
+    """
+    live = read_limits(client, prefix, task)
+    counted = {name for name, item in stats.items()
+               if item.get("deferred:limit") or item.get("dropped")}
+    rows: dict[str, dict[str, int]] = {}
+    for name in sorted(set(live) | counted):
+        figures = live.get(name, LimitStats(name))
+        item = stats.get(name)
+        rows[name] = {
+            "slots_in_use": figures.slots_in_use, "waiting": figures.waiting,
+            "deferred": item.get("deferred:limit") if item is not None else 0,
+            "dropped": item.get("dropped") if item is not None else 0,
+        }
+    return rows

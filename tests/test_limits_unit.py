@@ -248,6 +248,23 @@ def test_operators_see_slots_waiting_and_drops_per_task(
                                catch_exceptions=False)
     assert "taskdedup limits" in table.output and "secret-tenant" not in table.output
 
+    import warnings
+
+    from taskdedup.web import create_app
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from starlette.testclient import TestClient
+    web = create_app(redis.Redis.from_url(redis_url), prefix="ops")
+    try:
+        page = TestClient(web, base_url="http://127.0.0.1").get("/")
+        assert page.status_code == 200 and 'id="limits"' in page.text
+        assert "secret-tenant" not in page.text
+        api = TestClient(web, base_url="http://127.0.0.1").get("/api/stats").json()
+        assert api["app.sync"]["limits"]["slots_in_use"] == 2
+    finally:
+        web.state.dashboard.history.stop()
+
     registry = CollectorRegistry()
     attach_limits(redis_client, "ops", registry)
     assert registry.get_sample_value("taskdedup_limit_slots_in_use", {"task": "app.sync"}) == 2

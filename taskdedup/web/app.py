@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
+from ..limits import summary
 from ..locks import lock_key_error, redis_error_text, shown, ttl_text
 from ..stats import read_stats
 from ..stores.redis import describe_client
@@ -132,6 +133,7 @@ def home(request: Request) -> Response:
         f"the latest {dash.history.samples.maxlen} kept in this process</p>",
         "<h2>Per task: enqueues, duplicates, lost leases, store errors</h2>",
         render.stats_table(stats, dash.history.window_deltas(), _window_text(dash)),
+        *_limits_section(dash, stats),
         f"<h2>Locks by task and state ({view.locks})</h2>", scope_note,
         render.counts_table(root, view.counts),
         f'<p class="muted">{view.no_expiry} without expiry (set by hand?)</p>'
@@ -328,10 +330,22 @@ def api_lock(request: Request) -> Response:
     return _json({**lock.as_dict(), "exists": True})
 
 
+def _limits_section(dash: _Dashboard, stats: Any) -> list[str]:
+    """The per-key limits of the tasks that have them (SPEC §16), or nothing."""
+    rows = summary(dash.client, dash.prefix, stats)
+    if not rows:
+        return []
+    return ["<h2>Per task: limits (slots in use, calls waiting, put off, dropped)</h2>",
+            render.limits_table(rows)]
+
+
 def api_stats(request: Request) -> Response:
     dash = _dash(request)
     stats = read_stats(dash.client, dash.prefix)
-    return _json({name: item.as_dict() for name, item in stats.items()})
+    data: dict[str, Any] = {name: item.as_dict() for name, item in stats.items()}
+    for name, row in summary(dash.client, dash.prefix, stats).items():
+        data.setdefault(name, {})["limits"] = row
+    return _json(data)
 
 
 def api_series(request: Request) -> Response:

@@ -156,6 +156,17 @@ def stats_table(stats: Mapping[str, TaskStats], window: Mapping[str, Mapping[str
     )
 
 
+def limits_table(rows: Mapping[str, Mapping[str, int]]) -> str:
+    """Per task with limits (SPEC §16): slots in use and calls waiting now, calls put off
+    and dropped by a limit (never per key value: keys can be user data)."""
+    return table(
+        ["task", "slots in use", "waiting", "put off", "dropped"],
+        [[esc(name), str(row["slots_in_use"]), str(row["waiting"]), str(row["deferred"]),
+          str(row["dropped"])] for name, row in rows.items()],
+        numeric=(1, 2, 3, 4), table_id="limits", empty="no task with limits in use",
+    )
+
+
 def _flag(total: int, recent: int | None) -> str:
     text = f"{total} (+{recent})" if recent is not None else str(total)
     return f'<span class="warn">{esc(text)}</span>' if recent else esc(text)
