@@ -17,6 +17,7 @@ from pathlib import Path
 
 import click
 import pytest
+import redis
 
 import taskdedup
 from taskdedup import exceptions, metrics
@@ -332,3 +333,36 @@ def test_tutorial_runs_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         run(sessions[4], "tutorial rq worker")
         sys.modules.pop("jobs", None)
         stats.flush_all()  # this process's counts, while their server still runs
+
+
+def test_the_tutorials_server_command_listens_on_loopback_only_and_quietly(
+    tmp_path: Path,
+) -> None:
+    """The bash line of step 1, as written (on a free port): the server answers on 127.0.0.1,
+    is bound to nothing else, and prints no banner."""
+    from taskdedup.testing import free_port, wait_for
+
+    text = (DOCS / "tutorial.md").read_text()
+    line = next(b.strip() for b in re.findall(r"```bash\n(.*?)```", text, re.S)
+                if "find_server_binary" in b)
+    port = free_port()
+    command = line.replace("--port 6379", f"--port {port}").replace(
+        "python -c", f"{sys.executable} -c")
+    server = subprocess.Popen(command, shell=True, cwd=tmp_path, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              start_new_session=True)
+    try:
+        client = redis.Redis(port=port)
+        wait_for(lambda: _pings(client), timeout=15, what="the tutorial's server")
+        assert client.config_get("bind")["bind"] == "127.0.0.1"
+    finally:
+        os.killpg(server.pid, 15)
+        output, _ = server.communicate(timeout=15)
+    assert "is starting" not in output and "Ready to accept" not in output, output  # quiet
+
+
+def _pings(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except redis.ConnectionError:
+        return False
