@@ -476,3 +476,18 @@ def test_a_lock_its_own_id_holds_with_no_message_behind_it_is_published(
     assert rc.lrange(f"rq:queue:{queue.name}", 0, -1) == [rq_row.id.encode()]
     assert rc.get(rq_key) == f"Q||{rq_row.id}".encode()
     rc.delete(celery_queue)
+
+
+def test_a_session_closed_without_commit_carries_nothing_into_its_next_transaction(
+    engine: sa.Engine, queue: DedupQueue, rc: redis.Redis
+) -> None:
+    session = Session(engine)
+    try:
+        forgotten = outbox.add(session, queue, rq_record, label())
+        session.close()  # no commit: rolled back
+        with session.begin():
+            committed = outbox.add(session, queue, rq_record, label())
+    finally:
+        session.close()
+    assert (published(rc, forgotten), published(rc, committed)) == (False, True)
+    assert ids(engine) == []

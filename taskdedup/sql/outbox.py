@@ -180,7 +180,7 @@ def _watch(engine: sa.Engine, session: bool) -> None:
         with _watched_lock:
             if not _session_watched:
                 event.listen(Session, "after_commit", _on_session_commit)
-                event.listen(Session, "after_soft_rollback", _on_session_rollback)
+                event.listen(Session, "after_transaction_end", _on_session_end)
                 _session_watched = True
     if event.contains(engine, "commit", _on_commit):
         return
@@ -282,8 +282,11 @@ def _on_session_commit(session: Session) -> None:
             _flush(state, dbapi_connection)
 
 
-def _on_session_rollback(session: Session, previous_transaction: Any) -> None:
-    if previous_transaction.parent is None:  # the session's whole transaction
+def _on_session_end(session: Session, transaction: Any) -> None:
+    """The session's transaction ended (after ``after_commit`` when it committed): what it
+    registered is published or forgotten, never carried into the session's next transaction
+    (whose DBAPI connection may be another)."""
+    if transaction.parent is None:
         session.info.pop(_INFO_KEY, None)
 
 
