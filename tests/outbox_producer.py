@@ -10,9 +10,10 @@ alone (:func:`rolls_back`), so the test knows which orders were rolled back what
 the producer was SIGKILLed at, and a restarted producer decides the same. A restart resumes
 after the last order this producer committed.
 
-After the commit the producer waits a random few milliseconds before it lets the connection
-go (commit-as-you-go: the rows are published when the connection returns to the pool), so a
-SIGKILL lands between the commit and the publish often: those rows are the relay's. Broker
+After the commit the producer waits a random while (most of its time between two orders)
+before it lets the connection go (the rows are published when the connection returns to the
+pool), so a SIGKILL lands between the commit and the publish often: those rows are the
+relay's. Broker
 and lock store: ``TASKDEDUP_TEST_REDIS_URL``; the Celery queue ``TASKDEDUP_TEST_QUEUE``.
 """
 
@@ -45,6 +46,11 @@ def ref(prefix: str, n: int) -> str:
     return f"{prefix}-{'C' if n % 2 == 0 else 'R'}{n}"
 
 
+def producing_key(prefix: str, index: int) -> str:
+    """Where producer ``index`` writes its pid once it places orders (its imports done)."""
+    return f"outbox-producer:{prefix}:{index}"
+
+
 class Refused(Exception):
     """Raised inside the transaction to roll it back."""
 
@@ -71,6 +77,7 @@ def main(argv: list[str]) -> None:
         done = conn.execute(sa.select(sa.func.max(ORDERS.c.n))
                             .where(ORDERS.c.producer == me)).scalar()
     start = me if done is None else done + every
+    r().set(producing_key(prefix, me), os.getpid(), ex=3600)  # placing orders from now on
     pace = random.Random(f"{seed_}:{me}:{time.time_ns()}")
     mean = float(os.environ.get("TASKDEDUP_TEST_PRODUCER_PACE") or 0.02)
     for n in range(start, total, every):
@@ -94,10 +101,10 @@ def main(argv: list[str]) -> None:
                 # committed by the run SIGKILLed before it saw its commit: the order and its
                 # outbox row are there (the relay publishes the row)
                 trans.rollback()
-            time.sleep(pace.uniform(0, 0.02))  # committed, not yet published
+            time.sleep(pace.uniform(0, 2 * mean))  # committed, not yet published
         finally:
             conn.close()  # back to the pool: the committed rows are published now
-        time.sleep(pace.uniform(0, 2 * mean))
+        time.sleep(pace.uniform(0, 0.02))
     engine.dispose()
 
 

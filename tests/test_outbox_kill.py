@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import sys
 import threading
@@ -45,7 +46,7 @@ from taskdedup.sql.schema import OUTBOX
 from taskdedup.testing import wait_for
 from tests import sql_apps
 from tests.fault_jobs import report
-from tests.outbox_producer import ORDERS, ref, rolls_back
+from tests.outbox_producer import ORDERS, producing_key, ref, rolls_back
 from tests.sqldb import EFFECTS, LEDGER, fresh_engine, rows
 from tests.workers import RqWorker, WorkerProcess
 
@@ -95,6 +96,11 @@ class Producer(WorkerProcess):
         return code == 0
 
 
+RELAY_MAIN = ("import logging, sys; logging.basicConfig(level=logging.INFO); "
+              "from taskdedup.cli import main; sys.argv[0] = 'taskdedup'; main()")
+PUBLISHED = re.compile(r"outbox relay published (\d+) row")
+
+
 class RelayProcess(WorkerProcess):
     """``taskdedup outbox relay`` for both kinds (the test's Celery app, its RQ Redis)."""
 
@@ -105,9 +111,13 @@ class RelayProcess(WorkerProcess):
         self.url = url
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "taskdedup", "outbox", "relay", "--url", self.url,
+        # the CLI itself, with its INFO log on (what it published, counted by the test)
+        return [sys.executable, "-c", RELAY_MAIN, "outbox", "relay", "--url", self.url,
                 "-A", "tests.sql_apps", "--rq-url", self.redis_url, "--grace", "1",
                 "--poll", "0.2", "--batch", "20"]
+
+    def published(self) -> int:
+        return sum(int(m) for m in PUBLISHED.findall(self.output()))
 
     def ready(self) -> bool:
         return "taskdedup outbox relay on" in self.output()[self.log_start:]
@@ -119,6 +129,40 @@ def parent_of(pid: int) -> int | None:
     except OSError:
         return None
     return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def in_window(engine: sa.Engine, rc: redis.Redis, prefix: str,
+              producers: list[Producer]) -> list[Producer] | bool:
+    """The producers placing orders when a committed row awaits its publish (True when they
+    have all finished: nothing to wait for)."""
+    if all(p.finished() for p in producers):
+        return True
+    placing = [p for p in producers if p.process is not None and p.process.poll() is None
+               and rc.get(producing_key(prefix, int(p.args[2]))) == str(p.process.pid).encode()]
+    if not placing:
+        return []
+    with engine.connect() as conn:
+        waiting = conn.execute(sa.select(sa.func.count()).select_from(OUTBOX)).scalar_one()
+    return placing if waiting else []
+
+
+def together(calls: list[Any]) -> None:
+    """Run ``calls`` (starts, stops: each waits for its own process) at the same time."""
+    errors: list[BaseException] = []
+
+    def run(call: Any) -> None:
+        try:
+            call()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(c,), daemon=True) for c in calls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    if errors:
+        raise errors[0]
 
 
 def running_horse(rc: redis.Redis, prefix: str, orders: int, mains: set[int]) -> list[int]:
@@ -167,23 +211,21 @@ def prove(dialect: str, directory: Path, redis_url: str, rc: redis.Redis, seed: 
     kills: Counter[str] = Counter()
     started: list[WorkerProcess] = []
 
-    def start(process: WorkerProcess) -> WorkerProcess:
-        started.append(process)
-        return process.start()
-
     began = time.monotonic()
     try:
-        celery = start(sql_apps.SqlCeleryWorker(redis_url, queue=celery_queue, pool="prefork",
-                                                concurrency=2, env=env))
-        rq_workers = [start(RqWorker(redis_url, [rq_queue], scheduler=False, env=env,
-                                     worker_class="tests.sql_jobs.LedgerWorker"))
+        celery = sql_apps.SqlCeleryWorker(redis_url, queue=celery_queue, pool="prefork",
+                                          concurrency=2, env=env)
+        rq_workers = [RqWorker(redis_url, [rq_queue], scheduler=False, env=env,
+                               worker_class="tests.sql_jobs.LedgerWorker")
                       for _ in range(RQ_WORKERS)]
-        relays = [start(RelayProcess(redis_url, url, env)) for _ in range(RELAYS)]
+        relays = [RelayProcess(redis_url, url, env) for _ in range(RELAYS)]
         producers = [Producer(redis_url, [url, prefix, str(i), str(PRODUCERS), str(orders),
                                           str(seed), rq_queue], env)
                      for i in range(PRODUCERS)]
-        for p in producers:
-            start(p)
+        started.extend([celery, *rq_workers, *relays])
+        together([p.start for p in started])  # the consumers and relays first
+        started.extend(producers)
+        together([p.start for p in producers])
         rq_mains = {w.process.pid for w in rq_workers if w.process is not None}
         print(f"outbox kill proof: processes up after {time.monotonic() - began:.1f}s")
         plan = list(KILLS)
@@ -214,9 +256,13 @@ def prove(dialect: str, directory: Path, redis_url: str, rc: redis.Redis, seed: 
         for victim in plan:
             assert time.monotonic() < deadline, "the chaos did not end"
             pause.wait(rng.uniform(*KILL_EVERY))  # a random moment (not a wait for a state)
-            alive = [p for p in producers if not p.finished()]
-            if victim == "producer" and alive:
-                kill_and_restart(rng.choice(alive), "producer")
+            if victim == "producer" and not all(p.finished() for p in producers):
+                # one placing orders (not still starting) while a committed row waits for its
+                # publish: the kill most likely lands in a commit-to-publish window
+                placing = wait_for(lambda: in_window(engine, rc, prefix, producers),
+                                   timeout=20, interval=0.01, what="a producer placing orders")
+                if placing is not True:
+                    kill_and_restart(rng.choice(placing), "producer")
             elif victim == "relay":
                 kill_and_restart(rng.choice(relays), "relay")
             elif victim == "celery":
@@ -240,8 +286,7 @@ def prove(dialect: str, directory: Path, redis_url: str, rc: redis.Redis, seed: 
                  what="every committed order charged and returned")
         print(f"outbox kill proof: drained after {time.monotonic() - began:.1f}s")
     finally:
-        for process in started:
-            process.stop()
+        together([p.stop for p in started])
     print(f"outbox kill proof: stopped after {time.monotonic() - began:.1f}s")
     ledger = Counter(row.order_id for row in rows(engine, LEDGER))
     decided_rollback = {ref(prefix, n) for n in range(orders) if rolls_back(seed, n)}
@@ -258,6 +303,7 @@ def prove(dialect: str, directory: Path, redis_url: str, rc: redis.Redis, seed: 
         "effects_of_uncommitted": sorted(set(ledger) - committed),
         "committed_orders_missing": sorted(
             {ref(prefix, n) for n in range(orders)} - decided_rollback - committed),
+        "rows_published_by_relays": sum(r.published() for r in relays),
         "outbox_rows_left": len(rows(engine, OUTBOX)),
         "effects_rows": len(rows(engine, EFFECTS)),
     }
@@ -286,6 +332,9 @@ def test_producers_relays_and_workers_sigkilled_charge_every_committed_order_onc
     kills = figures["sigkills"]
     assert kills["relay"] == 2 and kills["celery_worker"] == 1 and kills["rq_work_horse"] == 3
     assert kills.get("producer", 0) >= 1, f"seed {SEED}: no producer was killed: {kills}"
+    # a producer spends most of its time between a commit and its publish: its kills leave
+    # rows that only a relay publishes
+    assert figures["rows_published_by_relays"] >= 1, f"seed {SEED}: the relays had no work"
 
 
 @pytest.mark.skipif(not SOAK_ORDERS,
