@@ -23,6 +23,7 @@ from .exceptions import (
 from .identity import FINGERPRINT_VERSION, fingerprint, register_canonical
 from .limits import Concurrency, OnLimit, Rate, RateLimitedError
 from .policy import (
+    Debounce,
     Mode,
     OnBusy,
     OnDuplicate,
@@ -52,6 +53,7 @@ __all__ = [
     "OnDuplicate",
     "OnStoreError",
     "Approximate",
+    "Debounce",
     "disable",
     "disabled",
     "enable",

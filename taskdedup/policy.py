@@ -20,6 +20,7 @@ from .exceptions import ConfigurationError
 
 __all__ = [
     "MAX_DURATION_MS",
+    "Debounce",
     "Mode",
     "OnBusy",
     "OnDuplicate",
@@ -65,6 +66,10 @@ class OnDuplicate(StrEnum):
     """``None``; logged at DEBUG (it is counted: ``taskdedup stats``)."""
     REPLACE = "replace"
     """Debounce: the queued original is revoked and the new call takes its place."""
+    COALESCE = "coalesce"
+    """A duplicate of a queued call gets the original's handle (as ``return``); a duplicate
+    of a running call becomes the one follow-up that runs after it, with the latest call's
+    arguments (SPEC §15)."""
 
 
 class OnBusy(StrEnum):
@@ -184,6 +189,54 @@ def _busy_timeout(value: Duration | None) -> float | None:
     return _seconds("busy_timeout", value)
 
 
+@dataclass(frozen=True)
+class Debounce:
+    """``Policy(debounce=Debounce(wait, max_wait=None))`` (SPEC §15): a burst of calls of one
+    identity runs once, ``wait`` seconds after its last call, with that call's arguments;
+    with ``max_wait``, never later than ``max_wait`` after the burst's first call.
+
+    Args:
+        wait: seconds (or timedelta) of quiet after the last call before the run.
+        max_wait: seconds (or timedelta), at least ``wait``: a burst longer than this runs
+            every ``max_wait`` with the latest arguments (None: only after the burst ends).
+    """
+
+    wait: float
+    max_wait: float | None = None
+
+    def __init__(self, wait: Duration, max_wait: Duration | None = None) -> None:
+        set_ = object.__setattr__
+        set_(self, "wait", duration_seconds("Debounce.wait", wait))
+        set_(self, "max_wait", None if max_wait is None
+             else duration_seconds("Debounce.max_wait", max_wait))
+        if self.max_wait is not None and self.max_wait < self.wait:
+            raise ConfigurationError(
+                f"Debounce(wait={self.wait:g}, max_wait={self.max_wait:g}): max_wait bounds "
+                "how late a burst runs, so it cannot be shorter than wait; raise max_wait or "
+                "drop it")
+
+    @property
+    def wait_ms(self) -> int:
+        return max(1, int(self.wait * 1000))
+
+    @property
+    def max_wait_ms(self) -> int:
+        """0 without ``max_wait``."""
+        return 0 if self.max_wait is None else max(1, int(self.max_wait * 1000))
+
+
+def _debounce(value: Any) -> Debounce | None:
+    if value is None or isinstance(value, Debounce):
+        return value
+    if isinstance(value, Mapping):
+        _known_fields("Debounce", value, {"wait", "max_wait"})
+        return Debounce(**value)
+    raise ConfigurationError(
+        f"Policy.debounce must be None or taskdedup.Debounce(wait, max_wait=None), got "
+        f"{type(value).__name__}"
+    )
+
+
 def _window(value: Any) -> Approximate | None:
     if value is None or isinstance(value, Approximate):
         return value
@@ -222,6 +275,9 @@ class Policy:
             with ``until_executing``, which gates no execution).
         busy_timeout: with ``on_busy="wait"``, seconds (or timedelta) after which a waiting
             call ends FAILURE with :class:`~taskdedup.BusyTimeoutError`, without running.
+        debounce: :class:`~taskdedup.Debounce` (or a dict of its fields): every call is
+            published with a countdown; a burst of one identity runs once, with its last
+            call's arguments (SPEC §15).
     """
 
     mode: Mode = Mode.UNTIL_EXPIRED
@@ -236,6 +292,7 @@ class Policy:
     window: Approximate | None = None
     on_busy: OnBusy = OnBusy.SKIP
     busy_timeout: float | None = None
+    debounce: Debounce | None = None
 
     def __init__(
         self,
@@ -251,6 +308,7 @@ class Policy:
         window: Approximate | Mapping[str, Any] | None = None,
         on_busy: OnBusy | str = OnBusy.SKIP,
         busy_timeout: Duration | None = None,
+        debounce: Debounce | Mapping[str, Any] | None = None,
     ) -> None:
         set_ = object.__setattr__
         set_(self, "mode", _enum(Mode, "mode", mode))
@@ -267,6 +325,7 @@ class Policy:
         set_(self, "window", _window(window))
         set_(self, "on_busy", _enum(OnBusy, "on_busy", on_busy))
         set_(self, "busy_timeout", _busy_timeout(busy_timeout))
+        set_(self, "debounce", _debounce(debounce))
         self._validate()
 
     def _validate(self) -> None:
@@ -294,6 +353,36 @@ class Policy:
             )
 
         self._validate_busy()
+        self._validate_flow()
+
+    def _validate_flow(self) -> None:
+        """coalesce and debounce (SPEC §15): their follow-up and generation records sit beside
+        the lock, so they need an exact lock, and a mode whose claim they can take."""
+        coalesce = self.on_duplicate is OnDuplicate.COALESCE
+        if coalesce and self.mode not in (Mode.UNTIL_EXECUTED, Mode.UNTIL_EXPIRED):
+            raise ConfigurationError(
+                f"Policy(mode={self.mode.value!r}, on_duplicate='coalesce'): a follow-up runs "
+                "after the running call, which needs the enqueue and the execution gated; use "
+                "mode='until_executed' or 'until_expired'")
+        if self.debounce is not None:
+            if not self.mode.gates_execution:
+                raise ConfigurationError(
+                    "Policy(mode='until_executing', debounce=...): a debounced call is told "
+                    "superseded at its claim, which this mode does not take; use "
+                    "mode='until_executed', 'until_expired' or 'while_executing'")
+            if self.on_duplicate not in (OnDuplicate.RETURN,):
+                raise ConfigurationError(
+                    f"Policy(debounce=..., on_duplicate={self.on_duplicate.value!r}): a "
+                    "debounced call is never a duplicate at enqueue (every call is published "
+                    "and the burst's last one runs); drop on_duplicate")
+            if self.on_busy is not OnBusy.SKIP:
+                raise ConfigurationError(
+                    "Policy(debounce=..., on_busy='wait'): the burst's run already waits for "
+                    "a previous run of its identity; drop on_busy")
+        if (coalesce or self.debounce is not None) and self.window is not None:
+            raise ConfigurationError(
+                "Policy(window=Approximate(...)) with coalesce or debounce: their records "
+                "sit beside an exact lock; drop window=")
 
     def _validate_busy(self) -> None:
         if self.on_busy is OnBusy.WAIT and not self.mode.gates_execution:
