@@ -22,6 +22,7 @@ import textwrap
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -70,6 +71,7 @@ class Project:
     engine: sa.Engine
     tmp: Path
     worker: ProjectCeleryWorker | None = None
+    starting: Future[ProjectCeleryWorker] | None = None
 
     @property
     def broker(self) -> redis.Redis:
@@ -100,13 +102,29 @@ class Project:
         with self.engine.connect() as conn:
             return list(conn.execute(sa.text(sql)))
 
+    def start_celery(self) -> None:
+        """Start the project's Celery prefork worker on this database in the background (it
+        takes seconds: the module's first tests run meanwhile)."""
+        self.worker = ProjectCeleryWorker(self.env["REDIS_URL"], queue="celery",
+                                          concurrency=2, env=self.env)
+        self.starting = ThreadPoolExecutor(1).submit(self.worker.start)
+
     def celery(self) -> ProjectCeleryWorker:
-        """The project's Celery prefork worker on this database (started on first use)."""
-        if self.worker is None:
-            self.worker = ProjectCeleryWorker(self.env["REDIS_URL"], queue="celery",
-                                              concurrency=2, env=self.env)
-            self.worker.start()
-        return self.worker
+        """The worker, once ready."""
+        if self.starting is None:
+            self.start_celery()
+        assert self.starting is not None
+        return self.starting.result(timeout=120)
+
+    def stop_celery(self) -> None:
+        if self.starting is None or self.worker is None:
+            return
+        try:
+            self.starting.result(timeout=120)
+        except Exception:  # it failed to start (the test that needed it said so): kill it
+            self.worker.kill()
+            return
+        self.worker.stop()
 
     def celery_done(self, task_id: str) -> dict[str, Any] | None:
         raw = self.broker.get(f"celery-task-meta-{task_id}")
@@ -147,11 +165,11 @@ def project(request: pytest.FixtureRequest, redis_url: str,
                PYTHONPATH=os.pathsep.join([str(PROJECT), str(ROOT)]))
     found = Project(request.param, env, engine, tmp)
     found.run("migrate", "-v0")
+    found.start_celery()
     try:
         yield found
     finally:
-        if found.worker is not None:
-            found.worker.stop()
+        found.stop_celery()
         engine.dispose()
 
 
