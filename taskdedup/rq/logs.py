@@ -12,10 +12,14 @@ skipped duplicate). An application that configures logging gets ours through it,
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
 
+from ..core import SKIPPED_LEAD
 from ..events import logger
 
-__all__ = ["ToWorkerLog", "log_to_worker"]
+__all__ = ["ToWorkerLog", "log_to_worker", "skipped_job"]
 
 WORKER_LOGGER = "rq.worker"
 
@@ -49,3 +53,38 @@ def log_to_worker() -> None:
     if logger.level == logging.NOTSET and not _configured_elsewhere():
         level = logging.getLogger(WORKER_LOGGER).getEffectiveLevel()
         logger.setLevel(level)
+
+
+_RQ_SUCCESS = "Successfully completed"
+
+
+class _SkippedLine(logging.Filter):
+    """Turns RQ's ``Successfully completed ...`` INFO line for a skipped job into ``Skipped
+    (not run) ...``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rewrote = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and record.msg.startswith(_RQ_SUCCESS):
+            record.msg = "Skipped (not run)" + record.msg[len(_RQ_SUCCESS):]
+            self.rewrote = True
+        return True
+
+
+@contextmanager
+def skipped_job(log: logging.Logger, job: Any, value: Mapping[str, Any]) -> Iterator[None]:
+    """While a skipped duplicate goes through RQ's success path: its description (what
+    rq-dashboard's job lists and RQ's log line show) leads with ``[SKIPPED duplicate of <id>
+    (<state>)]``, and RQ's INFO line says ``Skipped (not run)`` instead of ``Successfully
+    completed`` (an RQ release without that line gets one INFO line of ours instead)."""
+    job.description = f"[{SKIPPED_LEAD} {value[SKIPPED_LEAD]}] {job.description}"
+    line = _SkippedLine()
+    log.addFilter(line)
+    try:
+        yield
+    finally:
+        log.removeFilter(line)
+    if not line.rewrote:
+        log.info("Skipped (not run) %s job %s", job.description, job.id)
