@@ -72,6 +72,12 @@ class Verdict(StrEnum):
     FINISHED = "finished"
     """Worker only: this very id already succeeded (a redelivery after success): end without
     a new outcome, no result, no callbacks (SPEC §5)."""
+    COALESCED = "coalesced"
+    """Enqueue only, ``on_duplicate="coalesce"``: the call is (or joins) the follow-up of a
+    running call, ``existing_id`` its id: publish under that id (SPEC §15, :mod:`.flow`)."""
+    SUPERSEDED = "superseded"
+    """Worker only: a later call replaced this message (a debounced burst's earlier call, or
+    an older message of a coalesced follow-up): end without running (SPEC §15)."""
 
 
 @dataclass(frozen=True, slots=True)
