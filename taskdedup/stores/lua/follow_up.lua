@@ -1,0 +1,66 @@
+-- follow_up: the claim of a coalesced follow-up's message at the worker (SPEC §15).
+--
+-- KEYS[1]  the lock key; KEYS[2] its follow-up record (see coalesce.lua)
+-- ARGV[1]  owner     the follow-up's id
+-- ARGV[2]  lease_ms  lease of the running lock (> 0)
+-- ARGV[3]  the generation the message carries
+-- ARGV[4]  ttl_ms    the record is kept at least this long while its follow-up waits
+--
+-- Returns {code, state or false, owner or false}:
+--   1 ACQUIRED    the newest message of the waiting follow-up, and nothing runs the identity
+--                 (absent, queued, done or finished by another id: the follow-up was promised
+--                 a run, a success window does not stop it) -> R(owner); the record keeps
+--                 its generation, its id cleared
+--   8 SUPERSEDED  an older message of the follow-up (a newer one carries later arguments)
+--   9 WAIT        the newest message, while another id runs the identity: put it off
+--   2 DUPLICATE   as claim.lua for a message whose follow-up has claimed already (a copy:
+--                 R by owner -> deferred; D/F by owner -> finished) or whose record is gone
+
+local gen, next_id = 0, ''
+local record = redis.call('GET', KEYS[2])
+if record then
+  local g, id = string.match(record, '^(%d+)|(.*)$')
+  if g then
+    gen, next_id = tonumber(g), id
+  end
+end
+local owner, lease_ms = ARGV[1], ARGV[2]
+local mine = tonumber(ARGV[3]) or 0
+local value = read(KEYS[1])
+local state, held_check, held_owner = parse(value)
+if mine < gen then
+  if state and held_owner == owner then
+    return {2, state, held_owner}  -- the follow-up runs (or ran) under another message
+  end
+  return {8, false, false}
+end
+if next_id == owner and mine == gen then
+  if state == 'R' and held_owner ~= owner then
+    if redis.call('PTTL', KEYS[2]) < tonumber(ARGV[4]) then
+      redis.call('PEXPIRE', KEYS[2], ARGV[4])
+    end
+    return {9, 'R', held_owner}
+  end
+  if value and not state then
+    return {2, false, false}
+  end
+  redis.call('SET', KEYS[1], 'R||' .. owner, 'PX', lease_ms)
+  redis.call('SET', KEYS[2], gen .. '|', 'KEEPTTL')
+  return {1, false, false}
+end
+-- the plain claim (claim.lua)
+if state == 'F' and held_owner ~= owner then
+  value = false
+end
+if not value then
+  redis.call('SET', KEYS[1], 'R||' .. owner, 'PX', lease_ms)
+  return {1, false, false}
+end
+if not state then
+  return {2, false, false}
+end
+if held_owner == owner and state == 'Q' then
+  redis.call('SET', KEYS[1], 'R|' .. held_check .. '|' .. owner, 'PX', lease_ms)
+  return {1, false, false}
+end
+return {2, state, held_owner}

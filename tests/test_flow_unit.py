@@ -1,0 +1,213 @@
+"""Unit tests of coalesce and debounce over a real Redis (SPEC §15, issue #22 parts 2-3):
+policy validation, the publish's one Lua call (:func:`taskdedup.flow.coalesce`,
+:func:`taskdedup.flow.debounce`) and the worker's claim by generation
+(:func:`taskdedup.flow.claim`), the records beside the lock (no argument value in Redis), and
+the counters they produce. Framework-free."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from taskdedup import (
+    ConfigurationError,
+    Debounce,
+    Deduplicator,
+    Event,
+    MemoryStore,
+    Policy,
+    RedisStore,
+)
+from taskdedup.core import Identity, Verdict
+from taskdedup.flow import (
+    claim,
+    coalesce,
+    debounce,
+    debounce_key,
+    follow_up_key,
+    superseded_of,
+    superseded_value,
+)
+from taskdedup.stores.base import LockState
+
+COALESCE = Policy(mode="until_expired", ttl=60, lease=10, on_duplicate="coalesce")
+
+
+@pytest.fixture
+def dedup(redis_url: str) -> Iterator[Deduplicator]:
+    client = redis.Redis.from_url(redis_url)
+    yield Deduplicator(RedisStore(client), prefix=f"t{uuid.uuid4().hex[:8]}")
+    client.close()
+
+
+def ident(dedup: Deduplicator) -> Identity:
+    return Identity(dedup.lock_key("task", uuid.uuid4().hex))
+
+
+# -- declaration -----------------------------------------------------------------------------
+
+
+def test_debounce_fields_and_dict_form() -> None:
+    policy = Policy(debounce={"wait": 2, "max_wait": 5})
+    assert policy.debounce == Debounce(2, 5)
+    assert policy.debounce.wait_ms == 2000 and policy.debounce.max_wait_ms == 5000
+    assert Debounce(1).max_wait_ms == 0
+
+
+@pytest.mark.parametrize("bad", [
+    {"on_duplicate": "coalesce", "mode": "until_executing"},
+    {"on_duplicate": "coalesce", "window": {"capacity": 1000, "error_rate": 0.01}},
+    {"debounce": {"wait": 2, "max_wait": 1}},
+    {"debounce": {"wait": 0}},
+    {"debounce": {"wait": 1, "later": 2}},
+    {"debounce": 5},
+    {"debounce": Debounce(1), "mode": "until_executing"},
+    {"debounce": Debounce(1), "on_duplicate": "drop"},
+    {"debounce": Debounce(1), "mode": "while_executing", "on_busy": "wait"},
+])
+def test_bad_combinations_are_refused_at_declaration(bad: dict[str, object]) -> None:
+    with pytest.raises(ConfigurationError):
+        Policy(**bad)  # type: ignore[arg-type]
+
+
+def test_a_memory_store_is_refused_clearly() -> None:
+    dedup = Deduplicator(MemoryStore())
+    with pytest.raises(ConfigurationError, match="RedisStore"):
+        coalesce(dedup, "t", COALESCE, Identity("taskdedup:t:" + "0" * 32), "a", 1000)
+
+
+# -- coalesce ----------------------------------------------------------------------------------
+
+
+def test_duplicate_of_a_queued_call_is_a_plain_duplicate(dedup: Deduplicator) -> None:
+    identity = ident(dedup)
+    assert coalesce(dedup, "t", COALESCE, identity, "a", 60_000).verdict is Verdict.ACCEPTED
+    second = coalesce(dedup, "t", COALESCE, identity, "b", 60_000)
+    assert (second.verdict, second.existing_id, second.state) == (
+        Verdict.DUPLICATE, "a", LockState.QUEUED)
+    assert dedup.counters.get(Event.DUPLICATE, "t") == 1
+
+
+def test_duplicates_of_a_running_call_share_one_follow_up(dedup: Deduplicator) -> None:
+    identity = ident(dedup)
+    key = identity.key
+    coalesce(dedup, "t", COALESCE, identity, "a", 60_000)
+    assert dedup.start("t", COALESCE, key, "a").verdict is Verdict.ACCEPTED
+    answers = [coalesce(dedup, "t", COALESCE, identity, f"c{i}", 60_000) for i in range(3)]
+    assert [a.verdict for a in answers] == [Verdict.COALESCED] * 3
+    assert {a.existing_id for a in answers} == {"c0"}  # the first duplicate's id, for all
+    assert [a.generation for a in answers] == [1, 2, 3]
+    record = dedup.store.client.get(follow_up_key(dedup, key))  # type: ignore[attr-defined]
+    assert record == b"3|c0"  # a generation and an id: no argument value
+    # older messages of the follow-up are superseded; the newest waits for the running call
+    for gen in (1, 2):
+        assert claim(dedup, "t", COALESCE, key, "c0", generation=gen,
+                     follow_up=True).verdict is Verdict.SUPERSEDED
+    waiting = claim(dedup, "t", COALESCE, key, "c0", generation=3, follow_up=True)
+    assert (waiting.verdict, waiting.existing_id) == (Verdict.WAITING, "a")
+    # the running call succeeds (until_expired: done for ttl): the follow-up still runs
+    dedup.finish("t", COALESCE, key, "a", success=True)
+    assert claim(dedup, "t", COALESCE, key, "c0", generation=3,
+                 follow_up=True).verdict is Verdict.ACCEPTED
+    # a copy of the follow-up's message while it runs is deferred, an old one superseded
+    assert claim(dedup, "t", COALESCE, key, "c0", generation=3,
+                 follow_up=True).verdict is Verdict.DEFERRED
+    assert claim(dedup, "t", COALESCE, key, "c0", generation=2,
+                 follow_up=True).verdict is Verdict.DEFERRED
+    # a new duplicate while the follow-up runs starts the next follow-up (one waiting at most)
+    nxt = coalesce(dedup, "t", COALESCE, identity, "d", 60_000)
+    assert (nxt.verdict, nxt.existing_id, nxt.generation) == (Verdict.COALESCED, "d", 4)
+    dedup.finish("t", COALESCE, key, "c0", success=True)
+    # a late copy of the follow-up that ran: finished (ends without a new outcome)
+    assert claim(dedup, "t", COALESCE, key, "c0", generation=3,
+                 follow_up=True).verdict is Verdict.FINISHED
+    assert claim(dedup, "t", COALESCE, key, "c0", generation=1,
+                 follow_up=True).verdict is Verdict.FINISHED
+
+
+def test_coalesced_and_superseded_are_counted(dedup: Deduplicator) -> None:
+    seen: list[tuple[str, str | None]] = []
+    dedup.events.add(lambda event: seen.append((event.event.value, event.detail)))
+    identity = ident(dedup)
+    coalesce(dedup, "t", COALESCE, identity, "a", 60_000)
+    dedup.start("t", COALESCE, identity.key, "a")
+    coalesce(dedup, "t", COALESCE, identity, "b", 60_000)
+    assert ("duplicate", "coalesced") in seen
+    policy = Policy(debounce=Debounce(5))
+    debounce(dedup, "t", policy, identity.key)
+    debounce(dedup, "t", policy, identity.key)
+    claim(dedup, "t", policy, identity.key, "x", generation=1, follow_up=False)
+    assert ("skipped", "superseded") in seen
+
+
+# -- debounce ----------------------------------------------------------------------------------
+
+
+def test_each_call_gets_the_next_generation_and_wait(dedup: Deduplicator) -> None:
+    policy = Policy(debounce=Debounce(2))
+    key = ident(dedup).key
+    answers = [debounce(dedup, "t", policy, key) for _ in range(3)]
+    assert [g for g, _ in answers] == [1, 2, 3]
+    assert all(delay == 2.0 for _, delay in answers)
+    record = dedup.store.client.get(debounce_key(dedup, key))  # type: ignore[attr-defined]
+    gen, start = record.split(b"|")
+    assert gen == b"3" and start.isdigit()  # a generation and the burst's start: no argument
+
+
+def test_only_the_last_call_of_a_burst_runs_and_the_window_does_not_stop_the_next(
+    dedup: Deduplicator,
+) -> None:
+    policy = Policy(mode="until_expired", ttl=600, debounce=Debounce(1))
+    key = ident(dedup).key
+    for _ in range(3):
+        debounce(dedup, "t", policy, key)
+    assert claim(dedup, "t", policy, key, "a", generation=1,
+                 follow_up=False).verdict is Verdict.SUPERSEDED
+    assert claim(dedup, "t", policy, key, "c", generation=3,
+                 follow_up=False).verdict is Verdict.ACCEPTED
+    # a copy of the winner's message: deferred while it runs, finished after
+    assert claim(dedup, "t", policy, key, "c", generation=3,
+                 follow_up=False).verdict is Verdict.DEFERRED
+    # an earlier call still due while the winner runs: superseded, never run
+    assert claim(dedup, "t", policy, key, "b", generation=2,
+                 follow_up=False).verdict is Verdict.SUPERSEDED
+    # the next burst's call while the winner runs: it waits for it
+    gen, _ = debounce(dedup, "t", policy, key)
+    assert claim(dedup, "t", policy, key, "d", generation=gen,
+                 follow_up=False).verdict is Verdict.WAITING
+    dedup.finish("t", policy, key, "c", success=True)  # done for ttl=600
+    assert claim(dedup, "t", policy, key, "c", generation=3,
+                 follow_up=False).verdict is Verdict.FINISHED
+    assert claim(dedup, "t", policy, key, "d", generation=gen,
+                 follow_up=False).verdict is Verdict.ACCEPTED
+
+
+def test_max_wait_shortens_the_countdown_from_the_bursts_first_call(
+    dedup: Deduplicator,
+) -> None:
+    policy = Policy(debounce=Debounce(1.0, max_wait=1.5))
+    key = ident(dedup).key
+    _, first = debounce(dedup, "t", policy, key)
+    assert first == 1.0
+    time.sleep(0.8)
+    gen, later = debounce(dedup, "t", policy, key)
+    assert 0.5 < later <= 0.75  # what is left of max_wait, not a whole wait
+    time.sleep(0.8)
+    _, past = debounce(dedup, "t", policy, key)
+    assert past == 0.0  # past max_wait: due at once
+    # the burst's run claims: the next call starts a new burst, a whole wait again
+    assert claim(dedup, "t", policy, key, "z", generation=gen + 1,
+                 follow_up=False).verdict is Verdict.ACCEPTED
+    _, fresh = debounce(dedup, "t", policy, key)
+    assert fresh == 1.0
+
+
+def test_superseded_result_is_recognisable() -> None:
+    value = superseded_value(4)
+    assert superseded_of(value) == {"generation": 4}
+    assert next(iter(value)) == "SKIPPED"
+    assert superseded_of({"taskdedup": "skipped duplicate"}) is None
