@@ -24,7 +24,7 @@ from .harness import Row, Sizes
 
 SECTIONS = (
     "floor", "identity", "realistic", "celery", "rq", "breakdown", "workers", "bulk", "memory",
-    "approximate",
+    "approximate", "limits",
 )
 
 
@@ -137,6 +137,13 @@ def _run(url: str, sizes: Sizes, sections: list[str], args: argparse.Namespace,
         return found
 
     section("approximate", approximate_section)
+
+    def limits_section() -> list[Row]:
+        from .limits import limits
+
+        return limits(ctx)
+
+    section("limits", limits_section)
 
     meta["loadavg_end"] = os.getloadavg()
     meta["seconds"] = round(time.perf_counter() - started, 1)
