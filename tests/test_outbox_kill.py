@@ -53,14 +53,14 @@ from tests.workers import RqWorker, WorkerProcess
 pytestmark = pytest.mark.slow
 
 SEED = 20261126
-ORDERS_DEFAULT = 80
+ORDERS_DEFAULT = 60
 SOAK_ORDERS = int(os.environ.get("TASKDEDUP_SOAK_OUTBOX") or 0)
 PRODUCERS = 2
 RELAYS = 2
 RQ_WORKERS = 2
 VISIBILITY = 4.0
-HOLD = 0.3  # seconds a body may stay in its transaction
-PACE = 0.25  # mean seconds between a producer's orders: kills land while orders flow
+HOLD = 0.2  # seconds a body may stay in its transaction
+PACE = 0.15  # mean seconds between a producer's orders: kills land while orders flow
 KILL_EVERY = (0.1, 0.6)  # seconds between two kills, at random
 KILLS = ["producer"] * 3 + ["relay"] * 2 + ["celery"] + ["rq-horse"] * 3
 """What one run SIGKILLs, in an order the seed shuffles (each restarted at once, but the RQ
@@ -278,11 +278,20 @@ def prove(dialect: str, directory: Path, redis_url: str, rc: redis.Redis, seed: 
         print(f"outbox kill proof: kills done after {time.monotonic() - began:.1f}s")
         wait_for(lambda: all(p.finished() for p in producers), timeout=60 + orders * PACE,
                  what="the producers done")
+        print(f"outbox kill proof: producers done after {time.monotonic() - began:.1f}s")
         # the drain: no more kills
         committed = {row.ref for row in rows(engine, ORDERS)}
         wait_for(lambda: not rows(engine, OUTBOX), timeout=60,
                  what="the relays drained the outbox")
-        wait_for(lambda: all(rc.exists(f"sql:ret:{o}") for o in committed), timeout=120,
+        print(f"outbox kill proof: outbox drained after {time.monotonic() - began:.1f}s")
+
+        def left() -> bool:
+            missing = [o for o in committed if not rc.exists(f"sql:ret:{o}")]
+            if missing and int(time.monotonic() * 2) % 4 == 0:
+                print(f"  {time.monotonic() - began:.1f}s waiting for {sorted(missing)[:8]}")
+            return not missing
+
+        wait_for(left, timeout=120, interval=0.5,
                  what="every committed order charged and returned")
         print(f"outbox kill proof: drained after {time.monotonic() - began:.1f}s")
     finally:
