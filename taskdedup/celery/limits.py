@@ -1,9 +1,10 @@
 """Per-key limits on a Celery worker (SPEC §16): ``@app.task(base=DedupTask, limits=[...])``.
 
 :meth:`DedupTask.before_start <taskdedup.celery.DedupTask.before_start>` claims the lock,
-then calls :func:`enter`: a skipped duplicate takes no slot; a call its limits admit runs
-holding its slots (given back in ``task_postrun``, whatever the outcome: success, failure,
-retry, ignore); a call a limit refuses is put off with the republish of a copy
+then calls :func:`enter` (before it writes STARTED, when it tracks that; a task without a
+policy calls it after its claim step): a skipped duplicate takes no slot; a call its limits
+admit runs holding its slots (given back in ``task_postrun``, whatever the outcome:
+success, failure, retry, ignore); a call a limit refuses is put off with the republish of a copy
 (``DedupTask._defer``: same id, not a retry, a countdown, no pool process held while it
 waits), its lock turned back to ``queued`` by its own id first so the republished message
 claims it; ``on_excess="drop"`` ends it FAILURE with :class:`~taskdedup.RateLimitedError`.
@@ -34,6 +35,8 @@ __all__ = ["SLOTS_ATTR", "enter"]
 
 SLOTS_ATTR: Final = "_taskdedup_slots"
 """Request attribute: the slots an execution holds while its body runs."""
+_ENTERED: Final = "_taskdedup_limited"
+"""Request attribute: this execution's limits were taken (or refused) already."""
 _DEFAULT_POLICY: Final = Policy()
 
 
@@ -43,8 +46,10 @@ def enter(task: DedupTask, task_id: str, args: Sequence[Any],
     (raising what ends this execution)."""
     request = task.request
     if (not task._dedup_limits or is_disabled() or request.is_eager
-            or getattr(request, SKIP_ATTR, None) is not None):
+            or getattr(request, SKIP_ATTR, None) is not None
+            or request.__dict__.get(_ENTERED)):
         return
+    request.__dict__[_ENTERED] = True
     dedup = get_deduplicator(task.app)
     policy = task._dedup_policy or _DEFAULT_POLICY
     try:

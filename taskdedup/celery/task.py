@@ -483,6 +483,8 @@ class DedupTask(Task):  # type: ignore[misc]
         if verdict is Verdict.ACCEPTED and policy.mode.gates_execution:
             setattr(request, STATE_ATTR, key)
             claims.record(task_id, self.name, key)
+        if self._dedup_limits:  # before STARTED is written: a call put off never started
+            task_limits.enter(self, task_id, args, kwargs)
         if self._dedup_track_started and not request.is_eager:
             self._track_started(request)
         # left in task_postrun, which restores the identity of an enclosing execution
