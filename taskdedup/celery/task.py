@@ -179,7 +179,18 @@ class DedupTask(Task):  # type: ignore[misc]
             identity = dedup.identity(
                 self.name, policy, args or (), kwargs, func=self._func(), dedup_key=dedup_key
             )
+        previous = headers.get(HEADER)
         headers[HEADER] = {"task": self.name, "key": identity.key}
+        if carried is not None and isinstance(previous, Mapping):  # a republish keeps them
+            headers[HEADER].update({f: previous[f] for f in _FLOW_FIELDS if f in previous})
+        elif not (no_reserve or outbox or self.app.conf.task_always_eager):
+            if policy.debounce is not None:
+                return self._publish_debounced(policy, identity, task_id, publish, headers,
+                                               options)
+            if (policy.on_duplicate is OnDuplicate.COALESCE and not link and not link_error
+                    and not any(options.get(name) for name in _CALLBACK_OPTIONS)):
+                return self._publish_coalesced(policy, identity, task_id, publish, headers,
+                                               options)
         if not policy.mode.gates_enqueue or no_reserve:
             return publish(task_id, headers)
 
@@ -284,6 +295,52 @@ class DedupTask(Task):  # type: ignore[misc]
         if result.verdict is Verdict.REPLACED and result.existing_id:
             self._revoke(result.existing_id)
         return handle
+
+    def _publish_debounced(
+        self, policy: Policy, identity: Identity, task_id: str | None,
+        publish: Callable[[str | None, dict[str, Any]], Any], headers: dict[str, Any],
+        options: dict[str, Any],
+    ) -> Any:
+        """``debounce=`` (SPEC §15): every call is published, with the generation the
+        publish's Lua call gave it and its countdown (replacing any ``countdown``/``eta``);
+        the worker runs only the burst's last (:func:`taskdedup.flow.claim`)."""
+        generation, delay = flow.debounce(get_deduplicator(self.app), self.name, policy,
+                                          identity.key)
+        if generation:
+            headers[HEADER] = {**headers[HEADER], flow.GENERATION: generation}
+        options.pop("eta", None)
+        options["countdown"] = delay
+        return publish(task_id, headers)
+
+    def _publish_coalesced(
+        self, policy: Policy, identity: Identity, task_id: str | None,
+        publish: Callable[[str | None, dict[str, Any]], Any], headers: dict[str, Any],
+        options: Mapping[str, Any],
+    ) -> Any:
+        """``on_duplicate="coalesce"`` (SPEC §15): the gate in one Lua call; a duplicate of a
+        queued call gets the original's handle, one of a running call is published as (or
+        republished as the newest message of) the identity's one follow-up, under its id,
+        with this call's arguments and the follow-up's generation."""
+        dedup = get_deduplicator(self.app)
+        owner = task_id or str(uuid.uuid4())
+        fresh = not (task_id and task_id == self.request.id)
+        ttl_ms = _reservation_ttl_ms(policy, options, self)
+        answer = flow.coalesce(dedup, self.name, policy, identity, owner, ttl_ms, fresh=fresh)
+        self._note_outcome(answer.verdict is Verdict.DUPLICATE)
+        if answer.verdict is Verdict.COALESCED:
+            follow = answer.existing_id or owner
+            marked_headers = {**headers, HEADER: {**headers[HEADER],
+                                                  flow.FOLLOW_UP: answer.generation}}
+            return publish(follow, marked_headers)
+        if answer.verdict is Verdict.DUPLICATE:
+            return self._on_duplicate(policy, identity.key, answer.existing_id, owner, task_id,
+                                      publish, headers, None, None, options)
+        try:
+            return publish(owner, headers)
+        except BaseException:
+            if answer.verdict is not Verdict.UNGUARDED:
+                dedup.release(self.name, identity.key, owner, reason="publish_failed")
+            raise
 
     def _note_outcome(self, duplicate: bool) -> None:
         """Track this task's recent duplicate rate (an exponential moving average).
@@ -457,8 +514,13 @@ class DedupTask(Task):  # type: ignore[misc]
             return
         if key is None:  # sent by name, or from a client without taskdedup
             key = dedup.identity(self.name, policy, args, kwargs, func=self._func()).key
+        generation, follow_up = _flow_generation(policy, raw, self.name)
         try:
-            result = dedup.start(self.name, policy, key, task_id)
+            if generation is None:
+                result = dedup.start(self.name, policy, key, task_id)
+            else:  # debounce / coalesce: the claim compares the message's generation
+                result = flow.claim(dedup, self.name, policy, key, task_id,
+                                    generation=generation, follow_up=follow_up)
         except StoreUnavailableError as exc:
             if refused(exc):
                 raise ConfigurationError(
@@ -468,6 +530,12 @@ class DedupTask(Task):  # type: ignore[misc]
                     "way)") from exc
             raise self._retry_later(exc) from exc
         verdict = result.verdict
+        if verdict is Verdict.SUPERSEDED:
+            setattr(request, STATE_ATTR, SKIPPED)
+            if follow_up:  # a newer message of this very id runs: it gives the outcome
+                raise Ignore()
+            setattr(request, SKIP_ATTR, flow.superseded_value(generation or 0))
+            return
         if verdict is Verdict.DEFERRED:
             setattr(request, STATE_ATTR, SKIPPED)
             raise self._defer(policy)
@@ -633,6 +701,22 @@ def skipped_info(result: Any) -> dict[str, Any] | None:
             return None
         result = result.result
     return skipped_of(result)
+
+
+_FLOW_FIELDS = (flow.GENERATION, flow.FOLLOW_UP)
+
+
+def _flow_generation(policy: Policy, raw: Any, name: str) -> tuple[int | None, bool]:
+    """The generation a debounced call or a coalesced follow-up's message carries (None:
+    neither, or a field this task's policy does not use), and whether it is a follow-up."""
+    if not isinstance(raw, Mapping) or raw.get("task") != name:
+        return None, False
+    if policy.debounce is not None:
+        return flow.generation_of(raw, flow.GENERATION), False
+    if policy.on_duplicate is OnDuplicate.COALESCE:
+        generation = flow.generation_of(raw, flow.FOLLOW_UP)
+        return generation, generation is not None
+    return None, False
 
 
 def _live_copy(result: Any, task_id: str) -> bool:

@@ -15,6 +15,7 @@
 --   9 WAIT        the newest message, while another id runs the identity: put it off
 --   2 DUPLICATE   as claim.lua for a message whose follow-up has claimed already (a copy:
 --                 R by owner -> deferred; D/F by owner -> finished) or whose record is gone
+--                 (and 1 ACQUIRED for Q by owner: its own retry, re-reserved)
 
 local gen, next_id = 0, ''
 local record = redis.call('GET', KEYS[2])
@@ -28,10 +29,7 @@ local owner, lease_ms = ARGV[1], ARGV[2]
 local mine = tonumber(ARGV[3]) or 0
 local value = read(KEYS[1])
 local state, held_check, held_owner = parse(value)
-if mine < gen then
-  if state and held_owner == owner then
-    return {2, state, held_owner}  -- the follow-up runs (or ran) under another message
-  end
+if mine < gen and not (state and held_owner == owner) then
   return {8, false, false}
 end
 if next_id == owner and mine == gen then
