@@ -606,16 +606,22 @@ def test_relay_publishes_what_a_killed_producer_committed_and_stops_on_sigterm(
 
 
 def test_the_wheel_ships_the_migrations_and_the_commands() -> None:
-    """pyproject.toml's package discovery (``taskdedup*``) finds the app's migrations and
-    management commands as packages, so ``pip install taskdedup`` can migrate and relay."""
+    """pyproject.toml's package discovery (``include = ["taskdedup*"]``, regular packages)
+    takes every directory of the app that has an ``__init__.py``: the migrations and the
+    management commands must have one, or ``pip install taskdedup`` could not migrate or
+    relay."""
+    import fnmatch
     import tomllib
-
-    from setuptools import find_packages
 
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
     include = config["tool"]["setuptools"]["packages"]["find"]["include"]
-    found = set(find_packages(str(ROOT), include=include))
-    assert {"taskdedup.django", "taskdedup.django.migrations", "taskdedup.django.management",
-            "taskdedup.django.management.commands"} <= found
-    shipped = {p.name for p in (ROOT / "taskdedup" / "django" / "migrations").glob("0*.py")}
+    app = ROOT / "taskdedup" / "django"
+    for directory in (app, app / "migrations", app / "management",
+                      app / "management" / "commands"):
+        assert (directory / "__init__.py").is_file(), directory
+        name = ".".join(directory.relative_to(ROOT).parts)
+        assert any(fnmatch.fnmatchcase(name, pattern) for pattern in include), name
+    shipped = {p.name for p in (app / "migrations").glob("0*.py")}
     assert shipped == {"0001_initial.py"}
+    assert {p.name for p in (app / "management" / "commands").glob("taskdedup_*.py")} == {
+        "taskdedup_relay.py", "taskdedup_outbox_status.py"}
