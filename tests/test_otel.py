@@ -12,8 +12,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -164,11 +167,25 @@ def test_uninstrument_stops_reporting_and_instrument_is_idempotent(otel: Otel) -
     assert otel.counts() == {}
 
 
-def test_opentelemetry_instrument_finds_it_through_its_entry_point() -> None:
+def test_opentelemetry_instrument_finds_it_through_its_entry_point(tmp_path: Path) -> None:
     from importlib.metadata import entry_points
 
     (ep,) = entry_points(group="opentelemetry_instrumentor", name="taskdedup")
     assert ep.load() is TaskdedupInstrumentor
+    # the real command, as a deployment runs it: our listener is in place before the app runs
+    command = Path(sys.executable).with_name("opentelemetry-instrument")
+    if not command.exists():
+        pytest.skip(f"no {command.name} beside {sys.executable}")
+    env = {**os.environ, "OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none",
+           "OTEL_LOGS_EXPORTER": "none"}
+    done = subprocess.run(
+        [str(command), sys.executable, "-c",
+         "from taskdedup.events import Events; print([type(x).__name__ for x in "
+         "Events._everywhere])"],
+        capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "['OtelListener']", (done.stdout, done.stderr[-2000:])
 
 
 # -- beside opentelemetry-instrumentation-celery ---------------------------------------------
