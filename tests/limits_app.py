@@ -12,7 +12,7 @@ from tests.celery_app import app, configure
 from tests.limits_jobs import hold, tenant_of
 
 __all__ = ["app", "by_tenant", "by_tenant_nodedup", "configure", "drop_rate", "kill_one",
-           "rate"]
+           "rate", "tracked"]
 
 
 @app.task(base=DedupTask, dedup=Policy(mode="until_executed", ttl=60, lease=8),
@@ -41,4 +41,10 @@ def rate(label: str, tenant: str, n: int, seconds: float = 0.05, gate: bool = Fa
 
 @app.task(base=DedupTask, limits=[Rate(1, per=30, key=tenant_of, on_excess="drop")])
 def drop_rate(label: str, tenant: str, n: int, seconds: float = 0.05, gate: bool = False) -> int:
+    return hold(label, tenant, n, seconds, gate)
+
+
+@app.task(base=DedupTask, dedup=Policy(mode="while_executing", lease=8), track_started=True,
+          limits=[Concurrency(1, key=tenant_of)])
+def tracked(label: str, tenant: str, n: int, seconds: float = 0.05, gate: bool = False) -> int:
     return hold(label, tenant, n, seconds, gate)

@@ -168,6 +168,25 @@ def test_excess_dropped_says_so_and_is_counted(capp: Any, rc: redis.Redis) -> No
     wait_for(counted, timeout=20, what="the drops counted in taskdedup stats")
 
 
+def test_a_call_put_off_never_shows_started(capp: Any, rc: redis.Redis) -> None:
+    """``track_started``: the holder is STARTED; the call waiting for its slot stays PENDING
+    (put off before STARTED is written), then runs once the slot is free."""
+    name = label()
+    holder = capp.tracked.delay(name, "acme", 0, 0.0, True)
+    wait_for(lambda: holder.state == "STARTED", timeout=30, what="the holder STARTED")
+    waiting = capp.tracked.delay(name, "acme", 1)
+
+    def put_off() -> bool:
+        figures = read_limits(rc, "taskdedup", capp.tracked.name).get(capp.tracked.name)
+        return figures is not None and figures.waiting >= 1
+
+    wait_for(put_off, timeout=20, what="the second call put off")
+    assert waiting.state == "PENDING"
+    rc.set(f"go:{name}:0", 1)
+    assert holder.get(timeout=30) == 0 and waiting.get(timeout=30) == 1
+    assert waiting.state == "SUCCESS"
+
+
 def test_declaration_is_checked(capp: Any) -> None:
     from taskdedup import ConfigurationError, Rate
     from taskdedup.celery import DedupTask
