@@ -8,4 +8,8 @@ if sys.argv[1:2] == ["durable"]:  # the durable tier (taskdedup.sql): its own ru
     from .durable import main as durable
 
     raise SystemExit(durable(sys.argv[2:]))
+if sys.argv[1:2] == ["outbox"]:  # the outbox (taskdedup.sql.outbox): its own run, own servers
+    from .outbox import main as outbox
+
+    raise SystemExit(outbox(sys.argv[2:]))
 raise SystemExit(main())
