@@ -18,7 +18,7 @@ from typing import Any
 
 from celery import Celery, signals
 
-from taskdedup import Approximate, Policy, running
+from taskdedup import Approximate, Concurrency, Policy, running
 from taskdedup.celery import DedupTask
 from tests.effects import r
 
@@ -68,6 +68,27 @@ def serial(key: str, n: int) -> int:
     ran("serial", key)
     time.sleep(0.3)
     r().decr(f"model:busy:serial:{key}")
+    return n
+
+
+# SPEC §16: at most one body per key at once, across the worker's processes; every call runs.
+# Its slot is leased like a lock (3 s): a killed holder's slot lapses soon.
+LIMITED = Policy(mode="until_expired", ttl=300, lease=3)
+
+
+def limited_key(key: str, n: int, seconds: float = 0.3) -> str:
+    return key
+
+
+@app.task(base=DedupTask, dedup=LIMITED, name="model.limited",
+          limits=[Concurrency(1, key=limited_key)])
+def limited(key: str, n: int, seconds: float = 0.3) -> int:
+    """One of several calls of one limit key that must all run, one at a time."""
+    if r().incr(f"model:busy:limited:{key}") > 1:
+        r().rpush(f"model:overlap:limited:{key}", n)
+    ran("limited", key)
+    time.sleep(seconds)
+    r().decr(f"model:busy:limited:{key}")
     return n
 
 

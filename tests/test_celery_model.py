@@ -24,7 +24,16 @@ and since the second call's answers (SPEC §15, issue #22):
 
 * ``wait``: three calls of one ``while_executing`` identity with ``on_busy="wait"`` and
   different ignored arguments, sent at once to the worker's two processes: each runs exactly
-  once, never beside another (no overlap recorded), and ends SUCCESS with its own argument.
+  once, never beside another (no overlap recorded), and ends SUCCESS with its own argument;
+
+and since per-key limits (SPEC §16, issue #23):
+
+* ``limited``: three calls of one ``Concurrency(1, key=...)`` key sent at once to the
+  worker's two processes: each runs exactly once, never beside another, SUCCESS with its own
+  value;
+* ``limited_kill``: the worker SIGKILLed while a slot holder runs and two calls of its key
+  wait: after the restart the holder's message comes back (late ack) and runs again under its
+  own id, the waiting calls run, and none of them beside another.
 
 After each step the test waits until the worker has dealt with every message (the queue is
 empty and nothing is unacked: every task acks late; after a step with copies, for a while
@@ -96,6 +105,7 @@ from celery.states import READY_STATES
 
 from taskdedup import DuplicateTaskError
 from taskdedup.celery import HEADER, skipped_info
+from taskdedup.limits import read_limits
 from taskdedup.sql import table
 from taskdedup.stores import redis as redis_store
 from taskdedup.testing import wait_for
@@ -108,12 +118,13 @@ SEEDS = [int(s) for s in os.environ.get("TASKDEDUP_MODEL_SEEDS", "11,12").split(
 EXTRA_STEPS = 4
 ALL_OPERATIONS = ("delay", "explicit_twice", "retry_throw", "retry_no_throw", "fail_then_again",
                   "chain_dup", "revoke_then_again", "kill_mid_body", "by_name", "eta_copies",
-                  "nested", "redeliver_after_success_in_chain", "skewed_clock", "wait")
+                  "nested", "redeliver_after_success_in_chain", "skewed_clock", "wait",
+                  "limited", "limited_kill")
 # The extra random steps are drawn from the quick operations only (eta_copies and
 # kill_mid_body wait out a visibility timeout each), to keep a seed's run short.
 QUICK = ("delay", "explicit_twice", "retry_throw", "retry_no_throw", "fail_then_again",
          "chain_dup", "revoke_then_again", "by_name", "nested",
-         "redeliver_after_success_in_chain", "skewed_clock")
+         "redeliver_after_success_in_chain", "skewed_clock", "limited")
 OPERATIONS = tuple(os.environ.get("TASKDEDUP_MODEL_OPS", ",".join(ALL_OPERATIONS)).split(","))
 
 
@@ -131,6 +142,7 @@ class Model:
     identities: dict[str, list[str]] = field(default_factory=dict)
     rows: set[str] = field(default_factory=set)  # the durable rows' keys: one per identity
     serial: set[str] = field(default_factory=set)  # on_busy="wait" identities: never overlap
+    limited: set[str] = field(default_factory=set)  # Concurrency(1) keys: never overlap
 
 
 class Driver:
@@ -254,6 +266,45 @@ class Driver:
             self.model.values[result.id] = n
         self.model.runs[("serial", key)] = 3
         self.model.serial.add(key)
+
+    def limited(self, rng: random.Random) -> None:
+        """SPEC §16: calls of one limit key run one at a time, each once."""
+        key = self.key()
+        sent = [self.m.limited.delay(key, n) for n in range(3)]
+        self.log.append(f"limited.delay({key}, 0..2) -> {[r.id for r in sent]}")
+        self._expect_limited(key, sent, runs=3)
+
+    def limited_kill(self, rng: random.Random) -> None:
+        """SPEC §16: a SIGKILLed slot holder's slot lapses within its lease; its redelivery
+        and the calls waiting for the slot run, one at a time."""
+        key = self.key()
+        holder = self.m.limited.delay(key, 0, 1.5)
+        wait_for(lambda: self.runs("limited", key) == 1, timeout=30, what="the holder to start")
+        waiting = [self.m.limited.delay(key, n) for n in (1, 2)]
+        self.log.append(f"limited.delay({key}, 0, 1.5) -> {holder.id} SIGKILLed while it runs, "
+                        f"waiting: {[r.id for r in waiting]}")
+        wait_for(lambda: self._waiting("model.limited") >= 2, timeout=20,
+                 what="the waiting calls put off")
+        assert self.runs("limited", key) == 1, "the waiting calls never run beside the holder"
+        self.worker.kill()
+        self.rc.set(f"model:busy:limited:{key}", 0)  # the killed body never counts down
+        self.worker.start()
+        wait_for(self._restored, timeout=60, interval=0.5, what="the killed messages restored")
+        self.settle(timeout=60)
+        # the killed body, its redelivery (same id, late ack) and the two waiting calls
+        self._expect_limited(key, [holder, *waiting], runs=4)
+
+    def _waiting(self, task: str) -> int:
+        figures = read_limits(self.rc, "taskdedup", task).get(task)
+        return 0 if figures is None else figures.waiting
+
+    def _expect_limited(self, key: str, sent: list[Any], runs: int) -> None:
+        for n, result in enumerate(sent):
+            self.awaited.setdefault(result.id, 1)
+            self.model.results[result.id] = ("SUCCESS", None)
+            self.model.values[result.id] = n
+        self.model.runs[("limited", key)] = runs
+        self.model.limited.add(key)
 
     def chain_with_a_duplicate_step(self, rng: random.Random) -> str:
         key = self.key()
@@ -475,6 +526,11 @@ class Driver:
             assert not overlaps, (
                 f"serial({key}) ran beside another run of its identity ({overlaps}); steps: "
                 f"{self.log}")
+        for key in self.model.limited:
+            overlaps = self.rc.lrange(f"model:overlap:limited:{key}", 0, -1)
+            assert not overlaps, (
+                f"limited({key}) ran beside another body of its limit key ({overlaps}); "
+                f"steps: {self.log}")
         for key, expected in self.model.identities.items():
             seen = [x.decode() for x in self.rc.lrange(f"model:identity:{key}", 0, -1)]
             assert seen == expected, (
