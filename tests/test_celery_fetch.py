@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -79,7 +78,7 @@ class Taker:
         while len(self.got) < n:
             try:
                 self.conn.drain_events(timeout=max(0.01, deadline - time.monotonic()))
-            except socket.timeout:
+            except TimeoutError:
                 break
         return self.got
 

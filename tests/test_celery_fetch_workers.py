@@ -1,0 +1,226 @@
+"""The reliable fetch with real Celery workers (SPEC §17; issue #21).
+
+``tests.fetch_app`` (acks late, prefetch 1): workers on the reliable fetch run every task once
+and hold nothing after; share queues with workers on kombu's fetch (a rolling upgrade: kombu's
+unacked hash is still restored, by kombu's code in the reliable worker); lose and copy nothing
+through warm shutdowns at random moments; hold countdowns beyond ``visibility_timeout`` without
+a single copy; and a worker SIGKILLed holding countdowns has them back in a live worker within
+its lease. Aimed kills: tests/test_celery_fetch_kills.py.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from taskdedup import processing
+from taskdedup.testing import wait_for
+from tests.fetch_workers import PREFIX, FetchWorker, held, ran, start_all, unacked
+
+pytestmark = pytest.mark.slow
+
+VISIBILITY = {"TASKDEDUP_TEST_VISIBILITY": "2"}
+
+
+@pytest.fixture(scope="module")
+def fapp(redis_url: str, rc: redis.Redis) -> Any:
+    from tests import fetch_app
+
+    fetch_app.configure(redis_url, "fetch")
+    return fetch_app
+
+
+def name(tag: str) -> str:
+    return f"{tag}-{uuid.uuid4().hex[:8]}"
+
+
+def owners_of(rc: redis.Redis, worker: FetchWorker) -> list[processing.Holder]:
+    return [h for h in processing.holders(rc, PREFIX) if h.pid == worker.pid]
+
+
+def test_a_worker_on_the_reliable_fetch_runs_every_task_once_and_holds_nothing_after(
+    fapp: Any, rc: redis.Redis, redis_url: str
+) -> None:
+    queue = name("basic")
+    worker = FetchWorker(redis_url, queue=queue, pool="prefork", concurrency=2).start()
+    try:
+        labels = [name("t") for _ in range(30)]
+        handles = [fapp.work.apply_async((label,), queue=queue) for label in labels]
+        rejected = fapp.requeue_once.apply_async((name("rq"),), queue=queue)
+        gated = fapp.gated.apply_async((name("g"),), queue=queue)
+        assert [h.get(timeout=30) for h in handles] == labels
+        assert rejected.get(timeout=30) and gated.get(timeout=30)
+        assert {ran(rc, label) for label in labels} == {1}
+        assert ran(rc, rejected.result) == 1  # its first delivery was rejected and requeued
+        assert int(rc.get(f"fetch:attempts:{rejected.result}") or 0) == 2
+        wait_for(lambda: held(rc) == 0, timeout=10, what="every message acked")
+        (owner,) = owners_of(rc, worker)
+        assert queue in owner.worker and not owner.orphan and owner.lease_ms == 3000
+        assert unacked(rc) == 0  # kombu's hash is never written
+        assert "consumes through taskdedup's reliable fetch" in worker.output()
+    finally:
+        worker.stop()
+    assert owners_of(rc, worker) == []  # a warm shutdown leaves the registry
+
+
+def test_workers_with_and_without_the_reliable_fetch_share_a_queue(
+    fapp: Any, rc: redis.Redis, redis_url: str
+) -> None:
+    """A rolling upgrade: both kinds consume one queue, every task runs once; then a worker on
+    kombu's fetch is SIGKILLed holding countdowns (in kombu's unacked hash): kombu's own restore,
+    run by the reliable worker, hands them out again, and each runs once."""
+    queue = name("mixed")
+    old, new = start_all([
+        FetchWorker(redis_url, queue=queue, fetch="kombu", pool="prefork", concurrency=2,
+                    env=VISIBILITY),
+        FetchWorker(redis_url, queue=queue, pool="prefork", concurrency=2, env=VISIBILITY)])
+    try:
+        labels = [name("m") for _ in range(60)]
+        handles = [fapp.work.apply_async((label, 0.01), queue=queue) for label in labels]
+        assert [h.get(timeout=60) for h in handles] == labels
+        assert {ran(rc, label) for label in labels} == {1}
+        pids = {pid for label in labels for pid in rc.lrange(f"fetch:ran:{label}", 0, -1)}
+        assert len(pids) >= 2  # both kinds of worker took part (prefork children)
+        new.stop()
+        later = [name("eta") for _ in range(3)]
+        due = [fapp.work.apply_async((label,), queue=queue, countdown=6) for label in later]
+        wait_for(lambda: unacked(rc) == 3, timeout=20, what="the old worker holds them")
+        old.kill()
+        new.start()
+        assert [h.get(timeout=60) for h in due] == later
+        assert {ran(rc, label) for label in later} == {1}
+        wait_for(lambda: unacked(rc) == 0 and held(rc) == 0, timeout=10, what="all acked")
+    finally:
+        old.kill()
+        new.stop()
+
+
+def test_warm_shutdowns_at_random_moments_lose_nothing_and_copy_nothing(
+    fapp: Any, rc: redis.Redis, redis_url: str
+) -> None:
+    """Two workers take a stream of tasks (a third with a countdown) while one or the other
+    is stopped (SIGTERM to its main process: Celery's warm shutdown, which finishes the tasks
+    it runs) at random moments and started again: what a stopping worker held and had not
+    started goes back to the head of its queue; every task runs once."""
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    queue = name("warm")
+    workers = start_all([
+        FetchWorker(redis_url, queue=queue, pool="prefork", concurrency=2),
+        FetchWorker(redis_url, queue=queue, pool="solo")])
+    sent: list[tuple[str, Any]] = []
+    stops = 0
+    try:
+        next_stop = time.monotonic() + rng.uniform(1.0, 2.5)
+        while len(sent) < 150 or stops < 4:  # the stream goes on until the fourth stop
+            label = name("s")
+            countdown = rng.uniform(0.5, 3.0) if rng.random() < 0.3 else None
+            sent.append((label, fapp.work.apply_async((label, rng.uniform(0, 0.1)),
+                                                       queue=queue, countdown=countdown)))
+            time.sleep(rng.uniform(0, 0.06))  # the pace of the stream, not a wait
+            if time.monotonic() >= next_stop and stops < 4:
+                worker = rng.choice(workers)
+                worker.warm_stop()
+                stops += 1
+                worker.start()
+                next_stop = time.monotonic() + rng.uniform(1.0, 2.5)
+        for label, handle in sent:
+            assert handle.get(timeout=60) == label, f"seed {seed}"
+        counts = {label: ran(rc, label) for label, _ in sent}
+        print(f"\nwarm shutdowns: seed {seed}, {stops} stops, {len(sent)} tasks")
+        assert stops == 4
+        assert {label: n for label, n in counts.items() if n != 1} == {}, f"seed {seed}"
+        wait_for(lambda: held(rc) == 0, timeout=10, what="every message acked")
+        assert unacked(rc) == 0
+        live = {w.pid for w in workers}
+        assert {h.pid for h in processing.holders(rc, PREFIX)} <= live  # none left behind
+    finally:
+        for worker in workers:
+            worker.stop()
+
+
+def test_countdowns_beyond_the_visibility_timeout_run_once_with_no_copy_across_two_workers(
+    fapp: Any, rc: redis.Redis, redis_url: str
+) -> None:
+    """kombu restores a held message every visibility timeout (2 s here), so a 6 s countdown
+    existed in about three copies on kombu's fetch (tests/test_celery_copies.py). On the
+    reliable fetch the held messages are in processing lists, never in kombu's hash: no copy
+    exists at any moment, and each body runs once."""
+    queue = name("eta")
+    workers = start_all([
+        FetchWorker(redis_url, queue=queue, pool="prefork", concurrency=2, env=VISIBILITY),
+        FetchWorker(redis_url, queue=queue, pool="prefork", concurrency=2, env=VISIBILITY)])
+    try:
+        plain = [name("p") for _ in range(10)]
+        gated = [name("g") for _ in range(4)]
+        handles = [fapp.work.apply_async((label,), queue=queue, countdown=6) for label in plain]
+        handles += [fapp.gated.apply_async((label, 0.5), queue=queue, countdown=6)
+                    for label in gated]
+        total = len(handles)
+        most = 0
+
+        def all_done() -> bool:
+            nonlocal most
+            # every message is in its queue or one processing list, never more than once
+            where = (rc.llen(queue), held(rc), unacked(rc))
+            most = max(most, sum(where))
+            assert sum(where) <= total and where[2] == 0, (where, processing.holders(rc, PREFIX))
+            return all(h.ready() for h in handles)
+
+        wait_for(all_done, timeout=60, interval=0.1, what="every countdown ran")
+        assert most == total, most  # they were all held at once, past the visibility timeout
+        assert [h.get(timeout=10) for h in handles] == plain + gated
+        assert {ran(rc, label) for label in plain + gated} == {1}
+        output = "".join(w.output() for w in workers)
+        assert "runs in another copy" not in output and "redelivered copy" not in output
+    finally:
+        for worker in workers:
+            worker.stop()
+
+
+def test_a_worker_killed_holding_countdowns_has_them_back_within_its_lease(
+    fapp: Any, rc: redis.Redis, redis_url: str
+) -> None:
+    """A worker holds five 12 s countdowns and is SIGKILLed: once its lease (3 s) lapses, a
+    live worker's heartbeat puts them back at the head of the queue, the live worker holds
+    them until due, and each runs once."""
+    queue = name("dead")
+    victim = FetchWorker(redis_url, queue=queue, pool="prefork", concurrency=2).start()
+    survivor = None
+    try:
+        labels = [name("k") for _ in range(5)]
+        handles = [fapp.work.apply_async((label,), queue=queue, countdown=12) for label in labels]
+        wait_for(lambda: sum(h.held for h in owners_of(rc, victim)) == 5, timeout=20,
+                 what="the victim holds them")
+        survivor = FetchWorker(redis_url, queue=queue, pool="prefork", concurrency=2).start()
+        victim.kill()
+        killed = time.monotonic()
+        assert survivor is not None
+        wait_for(lambda: sum(h.held for h in owners_of(rc, survivor)) == 5, timeout=15,
+                 interval=0.05, what="the survivor holds them")
+        back = time.monotonic() - killed
+        print(f"\ncountdowns of a SIGKILLed worker back in a live one after {back:.1f}s "
+              f"(lease 3s, heartbeat 1s)")
+        assert back < 3.0 + 1.0 + 1.5
+        assert [h.get(timeout=30) for h in handles] == labels
+        assert {ran(rc, label) for label in labels} == {1}
+        assert unacked(rc) == 0
+    finally:
+        victim.kill()
+        if survivor is not None:
+            survivor.stop()
+
+
+@pytest.fixture(autouse=True)
+def _no_leftovers(rc: redis.Redis) -> Iterator[None]:
+    yield
+    # an owner left by a test (a killed worker) must not be requeued into the next test
+    for holder in processing.holders(rc, PREFIX):
+        if holder.orphan:
+            rc.hdel(processing.owners_key(PREFIX), holder.owner)
