@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LIMITED_SINCE",
+    "refusal",
     "Admission",
     "Concurrency",
     "Limit",
@@ -361,6 +362,18 @@ def _give_back(store: LimitStore, taken: Iterable[tuple[str, str]]) -> None:
             store.slot_release(key, holder)
         except Exception:  # a slot lapses within its lease; a start leaves its window
             logger.debug("taskdedup: could not give back a limit entry of a refused call")
+
+
+def refusal(task: str, call_id: str, exc: StoreUnavailableError) -> ConfigurationError:
+    """The error a call fails with when Redis refuses its limits for what they are (a
+    missing ACL permission: the limit scripts need the sorted-set commands), not for an
+    outage: putting it off again would fail the same way forever."""
+    error = ConfigurationError(
+        f"taskdedup: Redis refused the limits of {task}[{call_id}] ({exc.__cause__}); the "
+        "store's user needs the sorted-set commands limits use (+zadd +zrem +zrange "
+        "+zremrangebyscore +zcard +zscore +zcount): run `taskdedup doctor`")
+    error.__cause__ = exc
+    return error
 
 
 def limit_delay(limit: Limit, wait_ms: int, waited: float, lease: float,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -280,3 +281,29 @@ def test_operators_see_slots_waiting_and_drops_per_task(
     assert len(zsets) == 2  # tenant b's slots, the rate's window
     assert not [k for k in zsets if any(b"secret" in m for m in redis_client.zrange(k, 0, -1))]
     limits.release(dedup, held[1].slots)
+
+
+def test_a_user_without_sorted_set_commands_is_refused_not_retried(
+    redis_client: redis.Redis, redis_url: str
+) -> None:
+    """Redis refuses the limit scripts for what they are (NOPERM): the store error says so
+    (``refused``), and the error a worker fails the call with names the commands."""
+    from taskdedup.exceptions import StoreUnavailableError
+    from taskdedup.stores.redis import refused
+
+    user = f"nozset-{uuid.uuid4().hex[:8]}"
+    redis_client.execute_command(
+        "ACL", "SETUSER", user, "on", ">pw", "resetkeys", "~lu:*", "-@all", "+evalsha",
+        "+eval", "+get", "+set", "+time", "+pttl", "+pexpire", "+ping")
+    try:
+        limited = redis.Redis.from_url(redis_url, username=user, password="pw")
+        dedup = Deduplicator(RedisStore(limited), prefix="lu")
+        declared = limits.coerce_limits([Concurrency(1)], "t")
+        with pytest.raises(StoreUnavailableError) as caught:
+            limits.admit(dedup, "t", declared, (), {}, "id", 1000)
+        assert refused(caught.value)
+        error = limits.refusal("t", "id", caught.value)
+        assert isinstance(error, ConfigurationError) and "+zadd" in str(error)
+        limited.close()
+    finally:
+        redis_client.execute_command("ACL", "DELUSER", user)

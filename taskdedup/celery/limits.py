@@ -24,6 +24,7 @@ from ..core import Identity
 from ..exceptions import StoreUnavailableError
 from ..limits import LIMITED_SINCE, RateLimitedError
 from ..policy import MAX_DURATION_MS, Mode, Policy, is_disabled
+from ..stores.redis import refused
 from . import claims
 from ._message import SKIP_ATTR, SKIPPED, STATE_ATTR
 from .config import get_deduplicator, visibility_timeout
@@ -56,6 +57,8 @@ def enter(task: DedupTask, task_id: str, args: Sequence[Any],
         admission = limits.admit(dedup, task.name, task._dedup_limits, args, kwargs or {},
                                  task_id, policy.lease_ms)
     except StoreUnavailableError as exc:  # never run past a limit: tried again later
+        if refused(exc):  # the same answer every time: this call's error, not an outage
+            raise limits.refusal(task.name, task_id, exc) from exc
         _unclaim(task, request, policy, 0.0)
         raise task._retry_later(exc) from exc
     since = limits.limited_since(_carried(request))

@@ -24,6 +24,7 @@ from .. import limits
 from ..events import logger
 from ..exceptions import StoreUnavailableError, TaskDedupError
 from ..limits import LIMITED_SINCE, Concurrency, Limit, Rate, RateLimitedError
+from ..stores.redis import refused
 
 if TYPE_CHECKING:
     from rq.executions import Execution
@@ -97,7 +98,11 @@ def enter(worker: DedupWorker, job: Job, queue: Queue, execution: Execution | No
     except TaskDedupError as exc:
         _unclaim(worker, job, guard, 0.0, drop=True)
         return worker._fail(job, queue, run, exc)
-    admission = _admit(dedup, name, carried, job.id, int(lease * 1000))
+    try:
+        admission = _admit(dedup, name, carried, job.id, int(lease * 1000))
+    except StoreUnavailableError as exc:  # refused for what it is: the job's error
+        _unclaim(worker, job, guard, 0.0, drop=True)
+        return worker._fail(job, queue, run, limits.refusal(name, job.id, exc))
     if admission is None:  # Redis down: never run past a limit
         _unclaim(worker, job, guard, worker.store_retry_delay)
         worker._put_back(job, queue, execution, worker.store_retry_delay, save=True)
@@ -135,6 +140,8 @@ def _admit(dedup: Deduplicator, name: str, carried: list[tuple[Limit, str]], cal
     try:
         return limits.admit(dedup, name, declared, (), {}, call_id, lease_ms, keys=keys)
     except StoreUnavailableError as exc:
+        if refused(exc):
+            raise
         logger.warning("taskdedup: store unavailable for the limits of %s[%s]: %s", name,
                        call_id, exc)
         return None
