@@ -8,7 +8,7 @@ import inspect
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Final
 
 import redis
@@ -21,7 +21,7 @@ from rq.queue import Queue
 from rq.timeouts import BaseDeathPenalty, UnixSignalDeathPenalty
 from rq.utils import now
 
-from .. import running
+from .. import flow, running
 from ..core import (
     Deduplicator,
     GateResult,
@@ -77,6 +77,8 @@ class DedupQueue(Queue):
     """
 
     job_class: type[Job] = DedupJob
+    dedup_limits: tuple[Limit, ...] = ()
+    """The queue's ``limits=`` (SPEC §16), carried by every job it creates."""
     heal_grace: float = 1.0
     """Seconds a duplicate enqueue waits for a queued holder's job to appear before it calls
     the lock stale (a holder reserves, then writes its job: this covers that gap)."""
@@ -109,9 +111,8 @@ class DedupQueue(Queue):
             self.dedup: Deduplicator = get_deduplicator(self.connection, dedup_store, dedup_prefix)
         except ValueError as exc:  # a bad prefix
             raise ConfigurationError(f"DedupQueue({name!r}): {exc}") from exc
-        self._fused = self._check_fused()
-        self.dedup_limits: tuple[Limit, ...] = coerce_limits(
-            limits, f"DedupQueue({name!r})")
+        self.dedup_limits = coerce_limits(limits, f"DedupQueue({name!r})")
+        self._fused = self._check_fused()  # its probe job is made by create_job
 
     def _check_fused(self) -> _compat.FusedSupport | None:
         """Whether a reservation can ride in the script that writes and queues (or schedules)
@@ -251,6 +252,12 @@ class DedupQueue(Queue):
         create["meta"] = {**(params.get("meta") or {}),
                           META_KEY: meta_entry(name, identity.key, policy)}
         job = self.create_job(**create)  # RQ validates its options before anything is stored
+        if policy.debounce is not None and not unique:  # its countdown replaces `when`
+            return self._enqueue_debounced(job, name, policy, identity, at_front)
+        if (policy.on_duplicate is OnDuplicate.COALESCE and job_id is None and not unique
+                and when is None and not any(params.get(o) for o in _WORKFLOW_OPTIONS)):
+            return self._enqueue_coalesced(job, name, policy, identity, params, create,
+                                           publish, at_front)
         if not policy.mode.gates_enqueue:
             return publish(job)
 
@@ -281,6 +288,49 @@ class DedupQueue(Queue):
             if result.verdict is not Verdict.UNGUARDED and not (
                 isinstance(exc, _compat.DuplicateJobError) and self._job_alive(owner)
             ):
+                self.dedup.release(name, identity.key, owner, reason="publish_failed")
+            raise
+
+    # -- coalesce and debounce (SPEC §15, taskdedup.flow) -----------------------------------
+
+    def _enqueue_debounced(
+        self, job: Job, name: str, policy: Policy, identity: Identity, at_front: bool
+    ) -> Job:
+        """``debounce=``: every call is enqueued, scheduled ``wait`` on (or what is left of
+        ``max_wait``) with the generation the publish's Lua call gave it (a second round
+        trip: RQ's own schedule); the worker runs only the burst's last call."""
+        generation, delay = flow.debounce(self.dedup, name, policy, identity.key)
+        _flow_meta(job, flow.GENERATION, generation)
+        if delay <= 0:
+            return self.enqueue_job(job, at_front=at_front)
+        if at_front:
+            job.enqueue_at_front = True
+        return self.schedule_job(job, now() + timedelta(seconds=delay))
+
+    def _enqueue_coalesced(
+        self, job: Job, name: str, policy: Policy, identity: Identity,
+        params: Mapping[str, Any], create: dict[str, Any], publish: Callable[[Job], Job],
+        at_front: bool,
+    ) -> Job | None:
+        """``on_duplicate="coalesce"``: the gate in one Lua call; a queued original's job, or
+        this call written as the identity's follow-up (its job id kept across the calls it
+        gathers: the job's data is written again with the latest arguments and its id queued
+        again; a copy that finds the follow-up claimed ends without a new outcome)."""
+        owner = job.id
+        ttl_ms = self._reservation_ttl_ms(policy, None, params.get("ttl"))
+        answer = flow.coalesce(self.dedup, name, policy, identity, owner, ttl_ms)
+        if answer.verdict is Verdict.COALESCED:
+            follow = answer.existing_id or owner
+            if follow != owner:
+                job = self.create_job(**{**create, "job_id": follow})
+            _flow_meta(job, flow.FOLLOW_UP, answer.generation)
+            return self.enqueue_job(job, at_front=at_front)
+        if answer.verdict is Verdict.DUPLICATE:
+            return self._on_duplicate(policy, name, identity.key, answer.existing_id, params)
+        try:
+            return publish(job)
+        except BaseException:
+            if answer.verdict is not Verdict.UNGUARDED:
                 self.dedup.release(name, identity.key, owner, reason="publish_failed")
             raise
 
@@ -521,3 +571,10 @@ class DedupQueue(Queue):
         if claimed:
             dedup.finish(guard.name, guard.policy, guard.key, job.id, success=True)
         return job
+
+
+def _flow_meta(job: Job, field: str, generation: int) -> None:
+    """Put ``generation`` in ``field`` of the job's taskdedup meta (0: the store was down
+    and on_store_error='allow': no generation, the call runs as it is)."""
+    if generation:
+        job.meta[META_KEY] = {**job.meta[META_KEY], field: generation}
