@@ -57,13 +57,16 @@ def test_labels_are_task_and_event_only() -> None:
     listener = PrometheusListener(registry)
     listener(DedupEvent(Event.RESERVED, "app.a", "taskdedup:app.a:" + "0" * 32, "id-1",
                         seconds=0.001))
+    listener(DedupEvent(Event.DEFERRED, "app.a", "taskdedup:app.a:" + "0" * 32, "id-2",
+                        detail="busy"))  # a second call's answer (SPEC §15)
     label_names = {
         metric.name: {name for s in metric.samples for name in s.labels if name != "le"}
         for metric in registry.collect()
         if metric.name.startswith("taskdedup_")
     }
     assert label_names == {"taskdedup_events": {"task", "event"},
-                           "taskdedup_gate_seconds": {"task"}}
+                           "taskdedup_gate_seconds": {"task"},
+                           "taskdedup_second_calls": {"task", "answer"}}
 
 
 def test_listeners_on_one_registry_share_their_metrics() -> None:
