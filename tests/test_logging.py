@@ -112,7 +112,7 @@ def _skipped(q: DedupQueue, job_id: str) -> bool:
     return job is not None and skipped_info(job) is not None
 
 
-def test_rq_worker_output_shows_skipped_duplicates_at_debug_only(
+def test_rq_worker_output_says_skipped_at_info_and_the_detail_at_debug(
     redis_url: str, redis_client: redis.Redis
 ) -> None:
     verbose, quiet = f"log-debug-{uuid.uuid4().hex[:8]}", f"log-info-{uuid.uuid4().hex[:8]}"
@@ -127,7 +127,8 @@ def test_rq_worker_output_shows_skipped_duplicates_at_debug_only(
             q.empty()
         debug, info = (w.output() for w in started)
         assert "skipped tests.rq_jobs.record[" in debug and "someone-else" in debug
-        assert "skipped tests.rq_jobs.record[" not in info
+        assert "skipped tests.rq_jobs.record[" not in info  # the detail line: DEBUG only
+        assert "Skipped (not run)" in info and "Successfully completed" not in info
     finally:
         for worker in started:
             worker.stop()
