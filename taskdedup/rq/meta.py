@@ -19,7 +19,7 @@ from ..approximate import Approximate
 from ..core import MAX_KEY_LENGTH, Deduplicator, GateResult, skipped_value
 from ..events import logger
 from ..exceptions import ConfigurationError
-from ..policy import OnBusy, Policy, is_disabled
+from ..policy import Debounce, OnBusy, OnDuplicate, Policy, is_disabled
 from .call import job_task
 
 __all__ = [
@@ -29,8 +29,10 @@ __all__ = [
 META_KEY: Final = "taskdedup"
 """``job.meta`` entry: ``{"task", "key", "mode", "ttl", "lease", "on_store_error"}`` (and
 ``"window": [capacity, error_rate, slices, partitions]`` under an approximate window;
-``"scope"``, ``"include"``, ``"exclude"``, ``"on_busy"`` or ``"busy_timeout"`` when the
-policy sets them), or ``{"off": True}``
+``"scope"``, ``"include"``, ``"exclude"``, ``"on_busy"``, ``"busy_timeout"``,
+``"on_duplicate": "coalesce"`` or ``"debounce": [wait, max_wait]`` when the policy sets them;
+``"gen"``/``"next"``: a debounced call's / a coalesced follow-up's generation), or
+``{"off": True}``
 for a call made with ``dedup=False``; ``"skipped"`` is added to a job whose execution was
 skipped as a duplicate."""
 
@@ -69,6 +71,10 @@ def meta_entry(name: str, key: str, policy: Policy) -> dict[str, Any]:
         entry["on_busy"] = policy.on_busy.value
         if policy.busy_timeout is not None:
             entry["busy_timeout"] = policy.busy_timeout
+    if policy.on_duplicate is OnDuplicate.COALESCE:
+        entry["on_duplicate"] = policy.on_duplicate.value
+    if policy.debounce is not None:
+        entry["debounce"] = [policy.debounce.wait, policy.debounce.max_wait]
     return entry
 
 
@@ -76,7 +82,7 @@ def meta_entry(name: str, key: str, policy: Policy) -> dict[str, Any]:
 def _worker_policy(
     mode: Any, ttl: Any, lease: Any, on_store_error: Any, window: Any = None,
     scope: Any = None, include: Any = None, exclude: Any = None, on_busy: Any = None,
-    busy_timeout: Any = None,
+    busy_timeout: Any = None, on_duplicate: Any = None, debounce: Any = None,
 ) -> Policy:
     approximate = None
     if window is not None:
@@ -84,7 +90,9 @@ def _worker_policy(
         approximate = Approximate(capacity, error_rate, slices, partitions)
     return Policy(mode=mode, ttl=ttl, lease=lease, on_store_error=on_store_error,
                   window=approximate, scope=scope, include=include, exclude=exclude,
-                  on_busy=on_busy or OnBusy.SKIP, busy_timeout=busy_timeout)
+                  on_busy=on_busy or OnBusy.SKIP, busy_timeout=busy_timeout,
+                  on_duplicate=on_duplicate or OnDuplicate.RETURN,
+                  debounce=None if debounce is None else Debounce(*debounce))
 
 
 def _names(value: Any) -> tuple[str, ...] | None:
@@ -109,7 +117,10 @@ def _carried(job: Job) -> tuple[Mapping[str, Any], Policy] | None:
                                 None if window is None else tuple(window),
                                 raw.get("scope"), _names(raw.get("include")),
                                 _names(raw.get("exclude")), raw.get("on_busy"),
-                                raw.get("busy_timeout"))
+                                raw.get("busy_timeout"),
+                                "coalesce" if raw.get("on_duplicate") == "coalesce" else None,
+                                None if raw.get("debounce") is None
+                                else tuple(raw["debounce"]))
     except (ConfigurationError, TypeError, ValueError) as exc:
         logger.warning("taskdedup: job %s carries unreadable dedup meta (%s); not guarded",
                        job.id, exc)

@@ -24,7 +24,7 @@ from ..exceptions import (
     StoreUnavailableError,
     TaskDedupError,
 )
-from ..policy import MAX_DURATION_MS, Mode
+from ..policy import MAX_DURATION_MS, Mode, OnDuplicate
 from ..running import Running
 from ..stores.base import Store
 from ..stores.redis import refused
@@ -32,7 +32,7 @@ from . import _compat
 from . import limits as job_limits
 from .config import get_deduplicator
 from .logs import log_to_worker, skipped_job
-from .meta import Guard, skip_result, trusted_guard
+from .meta import META_KEY, Guard, skip_result, trusted_guard
 
 if TYPE_CHECKING:
     from rq.executions import Execution
@@ -181,15 +181,32 @@ class DedupWorker(Worker):
                 return bool(super().perform_job(job, queue, *run))
             finally:
                 job_limits.leave(self, job)
+        generation, follow_up = _flow_generation(job, guard)
         try:
-            result = self.dedup.start(guard.name, guard.policy, guard.key, job.id)
+            if generation is None:
+                result = self.dedup.start(guard.name, guard.policy, guard.key, job.id)
+            else:  # debounce / coalesce: the claim compares the job's generation
+                result = flow.claim(self.dedup, guard.name, guard.policy, guard.key, job.id,
+                                    generation=generation, follow_up=follow_up)
         except StoreUnavailableError as exc:
             if refused(exc):  # the same answer every time: this job's error, not an outage
                 return self._fail(job, queue, run, _refusal(guard, job, exc))
             self._retry_later(job, queue, execution, guard, exc)
             return False
+        if result.verdict is Verdict.SUPERSEDED:
+            if follow_up:  # the follow-up's newer write runs under this id: no new outcome
+                self._end_copy(job, queue, execution)
+            else:
+                self._skip(job, queue, execution, result,
+                           flow.superseded_value(generation or 0))
+            return True
         if result.verdict is Verdict.DUPLICATE:
             self._skip(job, queue, execution, result)
+            return True
+        if result.verdict is Verdict.WAITING and follow_up:
+            # put off as a copy is (only its id goes back): a newer call's data is kept
+            delay = flow.busy_wait(guard.policy, 0.0)
+            self._put_back(job, queue, execution, delay or copy_wait(guard.policy), save=False)
             return True
         if result.verdict is Verdict.DEFERRED:
             self._defer(job, queue, execution, guard)
@@ -360,6 +377,14 @@ class DedupWorker(Worker):
         self._put_back(job, queue, execution, delay, save=True)
         return True
 
+    def _end_copy(self, job: Job, queue: Queue, execution: Execution | None) -> None:
+        """End this pass of a job id whose newer write runs (or ran) under the same id (a
+        coalesced follow-up's earlier message): nothing of the job is touched."""
+        with self.connection.pipeline() as pipe:
+            _compat.cleanup_execution(self, job, pipe, execution)
+            pipe.lrem(queue.intermediate_queue_key, 1, job.id)
+            pipe.execute()
+
     def _end_finished(self, job: Job, queue: Queue, execution: Execution | None) -> None:
         """This very job id already succeeded: end this copy without a new outcome (no
         result, no callbacks, no webhooks, no dependents). The job is left as its first run
@@ -391,13 +416,16 @@ class DedupWorker(Worker):
                         guard.name, job.id, result.existing_id)
 
     def _skip(
-        self, job: Job, queue: Queue, execution: Execution | None, result: GateResult
+        self, job: Job, queue: Queue, execution: Execution | None, result: GateResult,
+        value: dict[str, Any] | None = None,
     ) -> None:
-        """Finish a duplicate without running its body (not a failure; no callbacks)."""
+        """Finish a duplicate (or, with ``value``, a superseded debounced call) without
+        running its body (not a failure; no callbacks)."""
         self.prepare_job_execution(job, remove_from_intermediate_queue=len(self.queues) == 1)
         job.started_at = now()
         self.handle_execution_ended(job, queue, job.success_callback_timeout)
-        value = skip_result(job, result)
+        if value is None:
+            value = skip_result(job, result)
         _compat.mark_finished(job, value)
         with skipped_job(self.log, job, value):  # says so where operators look
             self.handle_job_success(job=job, queue=queue,
@@ -429,3 +457,15 @@ def _refusal(guard: Guard, job: Job, exc: StoreUnavailableError) -> Configuratio
     )
     error.__cause__ = exc
     return error
+
+
+def _flow_generation(job: Job, guard: Guard) -> tuple[int | None, bool]:
+    """The generation a debounced job or a coalesced follow-up carries in its meta (None:
+    neither, or a field its policy does not use), and whether it is a follow-up."""
+    raw = job.meta.get(META_KEY) if isinstance(job.meta, dict) else None
+    if guard.policy.debounce is not None:
+        return flow.generation_of(raw, flow.GENERATION), False
+    if guard.policy.on_duplicate is OnDuplicate.COALESCE:
+        generation = flow.generation_of(raw, flow.FOLLOW_UP)
+        return generation, generation is not None
+    return None, False
