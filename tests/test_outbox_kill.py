@@ -177,6 +177,20 @@ def running_horse(rc: redis.Redis, prefix: str, orders: int, mains: set[int]) ->
     return pids
 
 
+def kill_a_horse(rc: redis.Redis, prefix: str, orders: int, mains: set[int],
+                 rng: random.Random) -> bool:
+    """SIGKILL the work-horse of one RQ charge running now; False when none is (or the one
+    chosen has just ended)."""
+    horses = running_horse(rc, prefix, orders, mains)
+    if not horses:
+        return False
+    try:
+        os.kill(rng.choice(horses), signal.SIGKILL)
+    except ProcessLookupError:  # it finished between the look and the kill
+        return False
+    return True
+
+
 def database(dialect: str, directory: Path) -> sa.Engine:
     """Empty orders, ledger, effects and outbox tables (SQLite in WAL mode: the producers,
     relays and bodies write to it at once)."""
@@ -228,7 +242,7 @@ def prove(dialect: str, directory: Path, redis_url: str, rc: redis.Redis, seed: 
         together([p.start for p in producers])
         rq_mains = {w.process.pid for w in rq_workers if w.process is not None}
         print(f"outbox kill proof: processes up after {time.monotonic() - began:.1f}s")
-        plan = list(KILLS)
+        plan = KILLS * max(1, orders // ORDERS_DEFAULT)  # the soak: as many per 60 orders
         rng.shuffle(plan)
         deadline = time.monotonic() + 90 + orders * PACE
         pause = threading.Event()
@@ -268,9 +282,8 @@ def prove(dialect: str, directory: Path, redis_url: str, rc: redis.Redis, seed: 
             elif victim == "celery":
                 kill_and_restart(celery, "celery_worker")
             elif victim == "rq-horse":
-                horse = wait_for(lambda: running_horse(rc, prefix, orders, rq_mains),
-                                 timeout=20, interval=0.05, what="an RQ job running")
-                os.kill(rng.choice(horse), signal.SIGKILL)
+                wait_for(lambda: kill_a_horse(rc, prefix, orders, rq_mains, rng), timeout=20,
+                         interval=0.05, what="an RQ job running to kill its horse")
                 kills["rq_work_horse"] += 1
         for thread in restarting.values():
             thread.join(timeout=60)
