@@ -5,7 +5,10 @@ processes, how many bodies of one key ran at once and when each started (Redis's
 - ``lim:peak:{label}:{tenant}`` / ``lim:peak:{label}``: the running count each body saw as it
   entered (INCR, so the largest value is the most bodies that ever ran at once);
 - ``lim:runs:{label}``: ``n tenant start_ms end_ms`` per finished body;
-- ``lim:started:{label}``: ``n start_ms`` per started body (a killed one included).
+- ``lim:started:{label}``: ``n start_ms`` per started body (a killed one included);
+- ``lim:admitted:{label}``: ``n ms`` per body under a rate limit: when the rate script
+  admitted it (its entry's score in the window, on Redis's clock: exact, unlike the body's
+  own start, which comes a moment later).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import time
 
 from tests.effects import r, wait_gate
 
-__all__ = ["hold", "peak", "runs", "started", "tenant_of"]
+__all__ = ["admitted", "hold", "peak", "runs", "started", "tenant_of"]
 
 
 def tenant_of(label: str, tenant: str, n: int, seconds: float = 0.3, gate: bool = False) -> str:
@@ -33,6 +36,9 @@ def hold(label: str, tenant: str, n: int, seconds: float = 0.3, gate: bool = Fal
     start = _now_ms()
     client.rpush(f"lim:started:{label}", f"{n} {start}")
     client.set(f"lim:pid:{label}:{n}", os.getpid(), ex=600)
+    admitted = _admitted_ms()
+    if admitted is not None:
+        client.rpush(f"lim:admitted:{label}", f"{n} {admitted}")
     client.rpush(f"lim:peak:{label}:{tenant}", client.incr(f"lim:active:{label}:{tenant}"))
     client.rpush(f"lim:peak:{label}", client.incr(f"lim:active:{label}"))
     try:
@@ -44,6 +50,37 @@ def hold(label: str, tenant: str, n: int, seconds: float = 0.3, gate: bool = Fal
         client.decr(f"lim:active:{label}")
     client.rpush(f"lim:runs:{label}", f"{n} {tenant} {start} {_now_ms()}")
     return n
+
+
+def _current_id() -> str | None:
+    """The running Celery task's id or RQ job's id (None outside both)."""
+    from rq import get_current_job
+
+    job = get_current_job()
+    if job is not None:
+        return str(job.id)
+    from celery._state import get_current_task
+
+    task = get_current_task()
+    return None if task is None or not task.request.id else str(task.request.id)
+
+
+def _admitted_ms() -> int | None:
+    """The score of this execution's start in a rate limit's window (None: no rate limit)."""
+    call_id = _current_id()
+    if call_id is None:
+        return None
+    client = r()
+    for key in client.scan_iter(match="taskdedup:limit:*", count=1000):
+        if b"r:{" not in key:
+            continue
+        for _member, score in client.zscan_iter(key, match=f"{call_id}~*"):
+            return int(score)
+    return None
+
+
+def admitted(client, label: str) -> list[int]:  # type: ignore[no-untyped-def]
+    return sorted(int(raw.split()[1]) for raw in client.lrange(f"lim:admitted:{label}", 0, -1))
 
 
 def peak(client, label: str, tenant: str | None = None) -> int:  # type: ignore[no-untyped-def]
