@@ -18,7 +18,7 @@ from typing import Any
 
 from celery import Celery, signals
 
-from taskdedup import Approximate, Concurrency, Policy, running
+from taskdedup import Approximate, Concurrency, Debounce, Policy, running
 from taskdedup.celery import DedupTask
 from tests.effects import r
 
@@ -68,6 +68,31 @@ def serial(key: str, n: int) -> int:
     ran("serial", key)
     time.sleep(0.3)
     r().decr(f"model:busy:serial:{key}")
+    return n
+
+
+# SPEC §15: duplicates of a running call become one follow-up, run after it with the latest
+# arguments; a burst of debounced calls runs once, with its last call's arguments.
+FOLLOW = Policy(mode="until_executed", lease=10, include=["key"], on_duplicate="coalesce")
+BOUNCE = Policy(mode="until_expired", ttl=300, lease=10, include=["key"],
+                debounce=Debounce(0.5))
+
+
+@app.task(base=DedupTask, dedup=FOLLOW, name="model.follow")
+def follow(key: str, n: int) -> int:
+    """A call whose duplicates, while it runs, coalesce into one follow-up (never beside)."""
+    if r().incr(f"model:busy:serial:{key}") > 1:
+        r().rpush(f"model:overlap:serial:{key}", n)
+    ran("follow", key)
+    time.sleep(0.5)
+    r().decr(f"model:busy:serial:{key}")
+    return n
+
+
+@app.task(base=DedupTask, dedup=BOUNCE, name="model.bounce")
+def bounce(key: str, n: int) -> int:
+    """A debounced call: only the burst's last runs."""
+    ran("bounce", key)
     return n
 
 

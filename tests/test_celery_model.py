@@ -26,6 +26,13 @@ and since the second call's answers (SPEC §15, issue #22):
   different ignored arguments, sent at once to the worker's two processes: each runs exactly
   once, never beside another (no overlap recorded), and ends SUCCESS with its own argument;
 
+* ``coalesce``: a call of an ``on_duplicate="coalesce"`` identity, and three duplicates sent
+  while it runs: they share one follow-up id (not the running one), which runs once after it
+  with the last duplicate's argument, never beside it; both SUCCESS with their own values;
+* ``debounce``: two to four calls of a debounced identity (``wait=0.5``) at once: only the
+  last runs, with its argument; the others end SUCCESS with the superseded marker of their
+  generation;
+
 and since per-key limits (SPEC §16, issue #23):
 
 * ``limited``: three calls of one ``Concurrency(1, key=...)`` key sent at once to the
@@ -105,6 +112,7 @@ from celery.states import READY_STATES
 
 from taskdedup import DuplicateTaskError
 from taskdedup.celery import HEADER, skipped_info
+from taskdedup.flow import superseded_value
 from taskdedup.limits import read_limits
 from taskdedup.sql import table
 from taskdedup.stores import redis as redis_store
@@ -119,7 +127,7 @@ EXTRA_STEPS = 4
 ALL_OPERATIONS = ("delay", "explicit_twice", "retry_throw", "retry_no_throw", "fail_then_again",
                   "chain_dup", "revoke_then_again", "kill_mid_body", "by_name", "eta_copies",
                   "nested", "redeliver_after_success_in_chain", "skewed_clock", "wait",
-                  "limited", "limited_kill")
+                  "limited", "limited_kill", "coalesce", "debounce")
 # The extra random steps are drawn from the quick operations only (eta_copies and
 # kill_mid_body wait out a visibility timeout each), to keep a seed's run short.
 QUICK = ("delay", "explicit_twice", "retry_throw", "retry_no_throw", "fail_then_again",
@@ -266,6 +274,39 @@ class Driver:
             self.model.values[result.id] = n
         self.model.runs[("serial", key)] = 3
         self.model.serial.add(key)
+
+    def coalesce(self, rng: random.Random) -> None:
+        """SPEC §15: duplicates of a running call get one follow-up (a new id), which runs
+        once after it with the latest call's argument; never beside it."""
+        key = self.key()
+        first = self.m.follow.delay(key, 0)
+        self.awaited.setdefault(first.id, 1)
+        wait_for(lambda: self.runs("follow", key) == 1, timeout=30,
+                 what=f"follow({key}) runs")
+        later = [self.m.follow.delay(key, n) for n in (1, 2, 3)]
+        self.log.append(f"follow.delay({key}, 0) -> {first.id}, 1..3 while it runs -> "
+                        f"{[r.id for r in later]}")
+        assert len({r.id for r in later}) == 1 and later[0].id != first.id, (
+            f"the duplicates of running follow({key}) must share one new follow-up id")
+        self.awaited.setdefault(later[0].id, 1)
+        for result, n in ((first, 0), (later[0], 3)):
+            self.model.results[result.id] = ("SUCCESS", None)
+            self.model.values[result.id] = n
+        self.model.runs[("follow", key)] = 2
+        self.model.serial.add(key)
+
+    def debounce(self, rng: random.Random) -> None:
+        """SPEC §15: a burst of debounced calls runs once, the last call's argument; the
+        others end SUCCESS as superseded (their generations 1, 2, ...)."""
+        key = self.key()
+        sent = [self.m.bounce.delay(key, n) for n in range(rng.randint(2, 4))]
+        self.log.append(f"bounce.delay({key}, 0..{len(sent) - 1}) -> {[r.id for r in sent]}")
+        for n, result in enumerate(sent):
+            self.awaited.setdefault(result.id, 1)
+            self.model.results[result.id] = ("SUCCESS", None)
+            self.model.values[result.id] = (n if n == len(sent) - 1
+                                            else superseded_value(n + 1))
+        self.model.runs[("bounce", key)] = 1
 
     def limited(self, rng: random.Random) -> None:
         """SPEC §16: calls of one limit key run one at a time, each once."""
