@@ -13,7 +13,7 @@ from typing import Any
 
 from celery import Celery
 
-from taskdedup import Policy
+from taskdedup import Debounce, Policy
 from taskdedup.celery import DedupTask
 
 from .jobs import ENV_URL, effect
@@ -24,6 +24,8 @@ __all__ = [
     "MISSING",
     "POLICY",
     "app",
+    "charge_coalesce",
+    "charge_debounce",
     "charge_dedup",
     "charge_fused",
     "charge_plain",
@@ -97,6 +99,12 @@ def _charge(user_id: int, amount_cents: int, currency: str, order_id: str, run: 
 charge_plain: Any = app.task(name="bench.plain")(_charge)
 charge_dedup: Any = app.task(name="bench.dedup", base=DedupTask, dedup=POLICY)(_charge)
 charge_fused: Any = fused_app.task(name="bench.fused", base=DedupTask, dedup=POLICY)(_charge)
+# SPEC §15: the gate's Lua call, then the push (two round trips), on the same broker.
+charge_coalesce: Any = fused_app.task(
+    name="bench.coalesce", base=DedupTask,
+    dedup=Policy(ttl=600, on_duplicate="coalesce"))(_charge)
+charge_debounce: Any = fused_app.task(
+    name="bench.debounce", base=DedupTask, dedup=Policy(ttl=600, debounce=Debounce(60)))(_charge)
 
 MISSING: dict[str, str] = {}
 """Competitors that could not be imported: name → the error (the bench extra is optional)."""

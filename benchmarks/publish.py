@@ -41,6 +41,9 @@ SEPARATE = "taskdedup DedupTask, gate in its own round trip"
 FUSED = "taskdedup DedupTask, reserve inside the push (default)"
 """A ``redis://`` broker holding the locks: ``RedisTransport``, one script per publish."""
 BATCHED = "taskdedup DedupTask, own round trip, loop in batch()"
+COALESCE = "taskdedup on_duplicate='coalesce' (its gate, then the push)"
+DEBOUNCE = "taskdedup debounce=Debounce(60) (generation, then the push)"
+"""SPEC §15: every call is published (with a countdown), so a duplicate costs a push too."""
 RUN_ARG = "bench:publish|0"  # the fifth argument; no worker runs these
 DUP_ARGS = (7, 5000, "EUR", "ORD-duplicate", RUN_ARG)
 
@@ -61,6 +64,8 @@ def _celery_tasks() -> dict[str, tuple[Any, tuple[str, ...]]]:
         tasks["celery-singleton Singleton"] = (apps.charge_singleton, ("SINGLETONLOCK_*",))
     tasks[FUSED] = (apps.charge_fused, ("taskdedup:bench.*",))
     tasks[BATCHED] = (apps.charge_dedup, ("taskdedup:bench.*",))
+    tasks[COALESCE] = (apps.charge_coalesce, ("taskdedup:bench.*", "taskdedup:next:*"))
+    tasks[DEBOUNCE] = (apps.charge_debounce, ("taskdedup:bench.*", "taskdedup:debounce:*"))
     return tasks
 
 
@@ -144,8 +149,9 @@ def celery_publish(ctx: Context) -> list[Row]:
                 argv = _distinct(f"count-{uuid.uuid4().hex}", k)
             rts, server, sent = count_round_trips(
                 ctx, lambda i, t=task, a=argv: t.apply_async(a[i]), k, label)
-            expected = n if scenario == "distinct" or label == PLAIN else 1
-            expected += 1 if scenario == "duplicate" and label == PLAIN else 0
+            every = label in (PLAIN, DEBOUNCE)  # a debounced call is always published
+            expected = n if scenario == "distinct" or every else 1
+            expected += 1 if scenario == "duplicate" and every else 0
             note = "" if published[label] == expected else (
                 f"published {published[label]} messages, expected {expected}")
             rows.append(Row(
