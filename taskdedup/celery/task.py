@@ -365,13 +365,24 @@ class DedupTask(Task):  # type: ignore[misc]
             return declared
         if override is False:
             return None
+        policy: Policy | None = None
         if isinstance(override, Mapping) and declared is not None:
             if set(override) <= _CALL_FIELDS:
                 current = {f.name: getattr(declared, f.name) for f in fields(Policy)}
-                return Policy(**{**current, **override})
+                policy = Policy(**{**current, **override})
         elif isinstance(override, Policy) and declared is not None:
             if all(getattr(override, f) == getattr(declared, f) for f in _POLICY_FIELDS):
-                return override
+                policy = override
+        if policy is not None and declared is not None and (
+                (policy.on_duplicate is OnDuplicate.COALESCE)
+                != (declared.on_duplicate is OnDuplicate.COALESCE)
+                or policy.debounce != declared.debounce):
+            raise ConfigurationError(
+                f"{self.name}: on_duplicate='coalesce' and debounce= are applied by the worker "
+                "too (it claims a follow-up or a debounced call by its generation): declare "
+                "them on the task, not per call")
+        if policy is not None:
+            return policy
         raise ConfigurationError(
             f"{self.name}: a per-call dedup= may only change on_duplicate and on_store_error "
             "(or be False to bypass); mode, ttl, lease and the identity options are applied "
