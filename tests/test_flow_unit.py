@@ -211,3 +211,51 @@ def test_superseded_result_is_recognisable() -> None:
     assert superseded_of(value) == {"generation": 4}
     assert next(iter(value)) == "SKIPPED"
     assert superseded_of({"taskdedup": "skipped duplicate"}) is None
+
+
+# -- what the integrations carry ---------------------------------------------------------------
+
+
+def test_celery_refuses_coalesce_or_debounce_given_per_call() -> None:
+    """The worker claims a follow-up or a debounced call by the declared policy: a per-call
+    dedup= may not add or drop them (it would be claimed as a plain call)."""
+    from celery import Celery
+
+    from taskdedup.celery import DedupTask
+
+    app = Celery("flow-unit", broker="memory://", set_as_current=False)
+    app.conf.taskdedup_store = MemoryStore()
+
+    @app.task(base=DedupTask, dedup=Policy(mode="until_executed"), shared=False)
+    def plain(x: int) -> int:
+        return x
+
+    @app.task(base=DedupTask, dedup=COALESCE, shared=False)
+    def folded(x: int) -> int:
+        return x
+
+    with pytest.raises(ConfigurationError, match="declare them on the task"):
+        plain.apply_async((1,), dedup={"on_duplicate": "coalesce"})
+    with pytest.raises(ConfigurationError, match="declare them on the task"):
+        folded.apply_async((1,), dedup={"on_duplicate": "return"})
+
+
+def test_rq_meta_carries_coalesce_and_debounce_to_the_worker(redis_url: str) -> None:
+    from rq.job import Job
+
+    from taskdedup.rq.meta import META_KEY, guard_of, meta_entry
+    from tests import flow_jobs
+
+    client = redis.Redis.from_url(redis_url)
+    try:
+        for policy in (COALESCE, Policy(debounce=Debounce(2, max_wait=9)),
+                       Policy(mode="while_executing", debounce={"wait": 0.5})):
+            entry = meta_entry("tests.flow_jobs.run", "taskdedup:x:" + "0" * 32, policy)
+            job = Job.create(flow_jobs.run, ("a", 1), connection=client,
+                             meta={META_KEY: entry})
+            guard = guard_of(job)
+            assert guard is not None
+            assert guard.policy.on_duplicate is policy.on_duplicate
+            assert guard.policy.debounce == policy.debounce
+    finally:
+        client.close()
