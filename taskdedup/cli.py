@@ -696,7 +696,7 @@ def _limits_table(rows: dict[str, dict[str, int]], where: str) -> Table:
         table.add_column(name, justify="left" if name == "task" else "right")
     for name, row in rows.items():
         table.add_row(_cell(name), str(row["slots_in_use"]), str(row["waiting"]),
-                      str(row["deferred"]), str(row["dropped"]))
+                      str(row["limited"]), str(row["dropped"]))
     return table
 
 

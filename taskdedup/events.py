@@ -48,10 +48,13 @@ class Event(StrEnum):
     """A running lock was no longer ours at heartbeat or completion (it had expired)."""
     STORE_ERROR = "store_error"
     """Redis could not be reached; what followed is per ``on_store_error``."""
+    LIMITED = "limited"
+    """A worker put off a call its per-key limit refused (SPEC §16): republished for later,
+    neither run nor failed nor counted as a retry, holding no worker slot; ``detail``
+    ``concurrency`` or ``rate`` (the limit that was full)."""
     DROPPED = "dropped"
     """A worker dropped a call its limit refused (``on_excess="drop"``, SPEC §16): the body
-    did not run; the call ended in a state that says so. (A call a limit puts off instead is
-    ``deferred`` with the detail ``limit``.)"""
+    did not run; the call ended in a state that says so."""
     FOREIGN = "foreign"
     """A lock key holds a value taskdedup did not write: the call or execution it blocked is
     reported at WARNING (inspect or clear the key)."""

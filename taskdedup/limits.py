@@ -302,7 +302,7 @@ def admit(dedup: Deduplicator, task: str, limits: Sequence[Limit], args: Sequenc
           kwargs: Mapping[str, Any] | None, call_id: str, lease_ms: int, *,
           keys: Sequence[str] | None = None) -> Admission:
     """Take every limit of one execution of ``task`` (``call_id``: its task/job id), in
-    order; a refusal gives back what was taken before it. Emits ``deferred:limit`` or
+    order; a refusal gives back what was taken before it. Emits ``limited`` or
     ``dropped`` for a refused call. The slots taken are heartbeated until :func:`release`.
     ``keys``: the limits' keys when the caller derived them already (an RQ job carries them).
 
@@ -324,8 +324,8 @@ def admit(dedup: Deduplicator, task: str, limits: Sequence[Limit], args: Sequenc
             if not ok:
                 _give_back(store, taken)
                 dropped = limit.drops
-                dedup._emit(Event.DROPPED if dropped else Event.DEFERRED, task, key, call_id,
-                            detail="limit")
+                dedup._emit(Event.DROPPED if dropped else Event.LIMITED, task, key, call_id,
+                            detail="concurrency" if isinstance(limit, Concurrency) else "rate")
                 return Admission(False, [], limit, figure, dropped)
             taken.append((key, holder))
     except BaseException:
@@ -528,22 +528,23 @@ def read_limits(client: Any, prefix: str = "taskdedup",
 def summary(client: Any, prefix: str, stats: Mapping[str, Any],
             task: str | None = None) -> dict[str, dict[str, int]]:
     """Per task with limits: ``slots_in_use`` and ``waiting`` (live, :func:`read_limits`),
-    ``deferred`` and ``dropped`` (the counters in ``stats``: :func:`taskdedup.stats.read_stats`
-    answers); what ``taskdedup stats``, the dashboard and its API show. Never per key value.
+    ``limited`` (put off) and ``dropped`` (the counters in ``stats``:
+    :func:`taskdedup.stats.read_stats` answers); what ``taskdedup stats``, the dashboard and
+    its API show. Never per key value.
 
     Raises:
         redis.RedisError: Redis could not be reached or refused a command.
     """
     live = read_limits(client, prefix, task)
     counted = {name for name, item in stats.items()
-               if item.get("deferred:limit") or item.get("dropped")}
+               if item.get("limited") or item.get("dropped")}
     rows: dict[str, dict[str, int]] = {}
     for name in sorted(set(live) | counted):
         figures = live.get(name, LimitStats(name))
         item = stats.get(name)
         rows[name] = {
             "slots_in_use": figures.slots_in_use, "waiting": figures.waiting,
-            "deferred": item.get("deferred:limit") if item is not None else 0,
+            "limited": item.get("limited") if item is not None else 0,
             "dropped": item.get("dropped") if item is not None else 0,
         }
     return rows

@@ -17,7 +17,7 @@ reads the live slices at scrape time (never on the hot path): per task
 ``taskdedup_window_identities`` (remembered) and ``taskdedup_window_slices_dropped``;
 for per-key limits (SPEC §16), :func:`attach_limits` reads per task, at scrape time,
 ``taskdedup_limit_slots_in_use`` and ``taskdedup_limit_waiting`` (calls put off now); the
-calls put off and dropped are ``taskdedup_events_total{event="deferred"|"dropped"}``.
+calls put off and dropped are ``taskdedup_events_total{event="limited"|"dropped"}``.
 
 Labels are the task name and the event only, never an argument, a key or a task id, so the
 cardinality stays at (tasks x events). ``prometheus_client`` is imported when a listener is

@@ -167,7 +167,7 @@ def test_admit_takes_all_or_gives_back_and_reports(redis_client: redis.Redis) ->
     # the slot it took before the rate refused was given back: one holder, not two
     stats = limits.read_limits(redis_client, "lu")
     assert stats["t"].slots_in_use == 1
-    assert (Event.DEFERRED, "limit") in seen
+    assert (Event.LIMITED, "rate") in seen
     limits.release(dedup, first.slots)
     assert limits.read_limits(redis_client, "lu") == {}
     assert redis_client.zcard(first.slots[1][0]) == 1  # its start still counts
@@ -243,7 +243,7 @@ def test_operators_see_slots_waiting_and_drops_per_task(
                                        "--json"], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
-    assert data["app.sync"]["limits"] == {"slots_in_use": 2, "waiting": 1, "deferred": 0,
+    assert data["app.sync"]["limits"] == {"slots_in_use": 2, "waiting": 1, "limited": 0,
                                           "dropped": 1}
     table = CliRunner().invoke(main, ["--url", redis_url, "--prefix", "ops", "stats"],
                                catch_exceptions=False)

@@ -161,7 +161,7 @@ def limits_table(rows: Mapping[str, Mapping[str, int]]) -> str:
     and dropped by a limit (never per key value: keys can be user data)."""
     return table(
         ["task", "slots in use", "waiting", "put off", "dropped"],
-        [[esc(name), str(row["slots_in_use"]), str(row["waiting"]), str(row["deferred"]),
+        [[esc(name), str(row["slots_in_use"]), str(row["waiting"]), str(row["limited"]),
           str(row["dropped"])] for name, row in rows.items()],
         numeric=(1, 2, 3, 4), table_id="limits", empty="no task with limits in use",
     )
