@@ -304,8 +304,18 @@ def prove(dialect: str, directory: Path, redis_url: str, rc: redis.Redis, seed: 
                 print(f"  {time.monotonic() - began:.1f}s waiting for {sorted(missing)[:8]}")
             return not missing
 
-        wait_for(left, timeout=120, interval=0.5,
-                 what="every committed order charged and returned")
+        try:
+            wait_for(left, timeout=120, interval=0.5,
+                     what="every committed order charged and returned")
+        except TimeoutError:
+            missing = sorted(o for o in committed if not rc.exists(f"sql:ret:{o}"))
+            raise AssertionError(
+                f"seed {seed}: committed orders never charged: "
+                f"{[(o, int(rc.get(f'sql:attempt:{o}') or 0)) for o in missing]} (order, runs); "
+                f"celery queue {rc.llen(celery_queue)}, unacked {rc.hlen('unacked')}, "
+                f"rq queue {rc.llen(f'rq:queue:{rq_queue}')}. A Celery order with 0 runs, in "
+                "no queue and not unacked, was lost in kombu's fetch window (SPEC §17), not "
+                "by the outbox") from None
         print(f"outbox kill proof: drained after {time.monotonic() - began:.1f}s")
     finally:
         together([p.stop for p in started])
