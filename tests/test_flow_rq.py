@@ -25,6 +25,7 @@ from rq.job import Job
 from taskdedup import Debounce, Policy
 from taskdedup.flow import superseded_of
 from taskdedup.rq import DedupQueue
+from taskdedup.stats import read_stats
 from taskdedup.testing import wait_for
 from tests import flow_jobs
 from tests.effects import recorded
@@ -49,6 +50,12 @@ def workers(redis_url: str, rc: redis.Redis) -> Iterator[list[RqWorker]]:
     finally:
         for worker in started:
             worker.stop()
+
+
+def superseded(rc: redis.Redis) -> int:
+    """``skipped:superseded`` of the jobs' function, as the workers flushed it (~5 s)."""
+    found = read_stats(rc, task="tests.flow_jobs.run")
+    return sum(s.get("skipped:superseded") for s in found.values())
 
 
 def final(job: Job) -> bool:
@@ -116,6 +123,7 @@ def test_a_burst_runs_once_after_wait_with_the_last_arguments(
     runs again although until_expired keeps the identity done for 300 s."""
     q = debouncing(rc, Debounce(1.5))
     name = label()
+    before = superseded(rc)
     jobs = []
     for n in range(5):
         jobs.append(q.enqueue(flow_jobs.run, name, n))
@@ -128,6 +136,8 @@ def test_a_burst_runs_once_after_wait_with_the_last_arguments(
         assert job.get_status() == "finished"
         assert superseded_of(job.return_value()) is not None
     assert recorded(rc, name) == ["start4", "end4"]
+    wait_for(lambda: superseded(rc) >= before + 4, timeout=20, interval=0.5,
+             what="the superseded jobs counted by the workers")
     # the next burst runs again, through until_expired's window
     nxt = q.enqueue(flow_jobs.run, name, 9)
     assert nxt is not None

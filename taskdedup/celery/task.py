@@ -187,7 +187,8 @@ class DedupTask(Task):  # type: ignore[misc]
             if policy.debounce is not None:
                 return self._publish_debounced(policy, identity, task_id, publish, headers,
                                                options)
-            if (policy.on_duplicate is OnDuplicate.COALESCE and not link and not link_error
+            if (policy.on_duplicate is OnDuplicate.COALESCE and task_id is None and not link
+                    and not link_error
                     and not any(options.get(name) for name in _CALLBACK_OPTIONS)):
                 return self._publish_coalesced(policy, identity, task_id, publish, headers,
                                                options)
@@ -323,9 +324,8 @@ class DedupTask(Task):  # type: ignore[misc]
         with this call's arguments and the follow-up's generation."""
         dedup = get_deduplicator(self.app)
         owner = task_id or str(uuid.uuid4())
-        fresh = not (task_id and task_id == self.request.id)
         ttl_ms = _reservation_ttl_ms(policy, options, self)
-        answer = flow.coalesce(dedup, self.name, policy, identity, owner, ttl_ms, fresh=fresh)
+        answer = flow.coalesce(dedup, self.name, policy, identity, owner, ttl_ms, fresh=True)
         self._note_outcome(answer.verdict is Verdict.DUPLICATE)
         if answer.verdict is Verdict.COALESCED:
             follow = answer.existing_id or owner
