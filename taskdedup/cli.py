@@ -625,8 +625,9 @@ def doctor_command(env: _Env, as_json: bool) -> None:
     Checks: the server's version (Redis 6.2+, Valkey 7.2+), its eviction policy (anything
     but noeviction under a memory limit deletes locks, and duplicates then run), script
     permission, Cluster mode, whether the user reaches keys under the prefix (ACL), the
-    bitmap commands of approximate windows (a problem only where windows are in use), and
-    whether workers met copies of running messages (countdowns beyond visibility_timeout).
+    bitmap commands of approximate windows (a problem only where windows are in use),
+    whether workers met copies of running messages (countdowns beyond visibility_timeout), and
+    which workers use the reliable fetch, with messages held by a worker whose lease lapsed.
     """
     from .doctor import diagnose
 

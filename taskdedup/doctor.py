@@ -6,7 +6,9 @@ the user may run scripts (EVAL, EVALSHA), Cluster mode, whether the user reaches
 the prefix (an ACL ``~{prefix}:*``), and whether it may run the bitmap commands approximate
 windows use (a problem only where windows are in use under the prefix), and whether it may run
 the other commands of the least-privilege rule (the stats flush, the operators' tools, the
-server's clock). Nothing is left behind: the probe keys are deleted at once.
+server's clock). Nothing is left behind: the probe keys are deleted at once. Two checks read what
+workers left: the copies they met, and the reliable fetch's processing lists (which workers use
+it, and messages held by a worker whose lease lapsed).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from redis.exceptions import NoPermissionError, RedisError, ResponseError
 
 from .events import Event
 from .exceptions import StoreUnavailableError
-from .locks import glob_escape, scan_keys
+from .locks import glob_escape, scan_keys, shown
+from .processing import holders
 from .stats import stats_key
 from .stores.redis import RedisStore
 from .stores.server import EVICTION_FIX, eviction_problem, read_facts
@@ -53,7 +56,7 @@ def diagnose(client: Any, prefix: str) -> list[Finding]:
     client.ping()
     return [*_server_checks(client), _script_check(client), _prefix_check(client, prefix),
             _commands_check(client, prefix), _window_check(client, prefix),
-            _copies_check(client, prefix)]
+            _copies_check(client, prefix), _fetch_check(client, prefix)]
 
 
 def _server_checks(client: Any) -> list[Finding]:
@@ -248,6 +251,38 @@ def _copies_check(client: Any, prefix: str) -> Finding:
         "every visibility_timeout while a worker holds the message)",
         "raise broker_transport_options['visibility_timeout'] above your longest countdown "
         "(taskdedup runs one copy; the others cost deliveries)")
+
+
+def _fetch_check(client: Any, prefix: str) -> Finding:
+    """Which workers consume through the reliable fetch (SPEC §17), how much each holds, and
+    whether messages wait in the processing lists of a worker whose lease lapsed (a live worker
+    with the reliable fetch puts them back within a third of its lease: a lasting orphan means
+    none runs). The lists live in the broker's Redis: point ``--url`` at the broker."""
+    try:
+        found = holders(client, prefix)
+    except (RedisError, UnicodeError) as exc:
+        return Finding("fetch", True, f"cannot read the reliable fetch's registry ({exc})")
+    if not found:
+        return Finding("fetch", True, f"no worker uses the reliable fetch under {prefix}:fetch "
+                       "(taskdedup_reliable_fetch; its lists live in the broker's Redis)")
+    live = [h for h in found if not h.orphan]
+    orphans = [h for h in found if h.orphan and h.held]
+
+    def who(h: Any) -> str:
+        return f"{shown(h.worker or h.owner)} (pid {h.pid}, {h.held} held)"
+
+    detail = (f"{len(live)} worker(s) use the reliable fetch: "
+              + (", ".join(who(h) for h in live[:5]) or "none alive")
+              + (f" and {len(live) - 5} more" if len(live) > 5 else ""))
+    if not orphans:
+        return Finding("fetch", True, detail)
+    waiting = sum(h.held for h in orphans)
+    return Finding(
+        "fetch", False,
+        f"{detail}; {waiting} message(s) wait in the processing lists of "
+        + ", ".join(who(h) for h in orphans[:5]) + ", whose lease lapsed",
+        "start a worker with taskdedup_reliable_fetch on these queues: it puts them back at "
+        "the head of their queues within a third of its lease")
 
 
 def _windows_in_use(client: Any, prefix: str) -> bool:

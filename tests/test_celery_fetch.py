@@ -345,3 +345,24 @@ def test_a_live_owners_messages_are_never_restored_whatever_the_visibility_timeo
         assert rc.llen(name) == 0 and lists(rc, prefix) == {
             message.channel._taskdedup_fetcher.owner: 1}
         message.ack()
+
+
+def test_the_operators_tools_leave_the_processing_lists_alone(
+    redis_url: str, rc: redis.Redis, prefix: str
+) -> None:
+    """The fetch's keys live under the prefix beside the locks: ``taskdedup list`` shows no
+    lock for them and ``taskdedup clear --all`` deletes locks only, never a held message."""
+    from click.testing import CliRunner
+
+    from taskdedup.cli import main
+
+    name = f"c-{uuid.uuid4().hex[:6]}"
+    publish(redis_url, name, ["kept"])
+    with reliable(redis_url, prefix) as conn:
+        (message,) = Taker(conn, [name]).take(1)
+        for args in (["list"], ["clear", "--all", "--yes"]):
+            done = CliRunner().invoke(main, ["--url", redis_url, "--prefix", prefix, *args])
+            assert done.exit_code == 0, done.output
+            assert "fetch" not in done.output
+        assert lists(rc, prefix) == {message.channel._taskdedup_fetcher.owner: 1}
+        message.ack()

@@ -57,7 +57,7 @@ def test_doctor_passes_on_a_server_that_never_evicts(own: redis.Redis,
     code, checks = doctor(own_server.url)
     assert code == 0
     assert set(checks) == {"server", "eviction", "cluster", "scripts", "acl", "commands",
-                           "windows", "copies"}
+                           "windows", "copies", "fetch"}
     assert all(c["ok"] for c in checks.values())
     assert own.keys("taskdedup:doctor:*") == []  # the probe lock was released
     assert own.keys("taskdedup:bloom:*") == []  # and the probe bitmap deleted
@@ -202,3 +202,35 @@ def test_doctor_reports_copies_of_running_messages_the_workers_put_off(
     assert not copies["ok"] and "app.remind (7)" in str(copies["detail"])
     assert "app.other" not in str(copies["detail"])
     assert "visibility_timeout" in str(copies["fix"])
+
+
+def test_doctor_says_which_workers_use_the_reliable_fetch_and_reports_orphaned_messages(
+    own: redis.Redis, own_server: RedisServer
+) -> None:
+    """SPEC §17: the processing lists' registry (taskdedup.processing) names the workers on the
+    reliable fetch; messages held by a worker whose lease lapsed are a problem until a live
+    worker puts them back. An entry that is not JSON is shown as it can be."""
+    from taskdedup import processing
+
+    code, checks = doctor(own_server.url)
+    assert code == 0 and "no worker uses the reliable fetch" in checks["fetch"]["detail"]
+    owners = processing.owners_key("taskdedup")
+    live, dead, odd = "w1@host/11/aaaa", "w2@host/22/bbbb", "w3\x1b/33/cccc"
+    own.hset(owners, mapping={live: '{"worker": "w1@host", "pid": 11, "lease_ms": 30000}',
+                              dead: '{"worker": "w2@host", "pid": 22, "lease_ms": 30000}',
+                              odd: "not json"})
+    own.set(processing.lease_key("taskdedup", live), "1", px=30_000)
+    own.set(processing.lease_key("taskdedup", odd), "1", px=30_000)
+    for owner, count in ((live, 2), (dead, 3)):
+        own.sadd(processing.sources_key("taskdedup", owner), "celery")
+        own.rpush(processing.list_key("taskdedup", owner, "celery"), *range(count))
+    code, checks = doctor(own_server.url)
+    fetch = checks["fetch"]
+    assert code == 1 and fetch["ok"] is False
+    assert "2 worker(s) use the reliable fetch: w1@host (pid 11, 2 held)" in fetch["detail"]
+    assert "3 message(s) wait in the processing lists of w2@host (pid 22, 3 held)" in (
+        fetch["detail"])
+    assert "taskdedup_reliable_fetch" in fetch["fix"]
+    own.delete(processing.list_key("taskdedup", dead, "celery"))  # put back by a live worker
+    code, checks = doctor(own_server.url)
+    assert code == 0 and checks["fetch"]["ok"] is True

@@ -519,3 +519,41 @@ def test_a_task_filter_is_exact_and_the_clear_is_refused_outside_the_prefix(
     assert [row["key"] for row in scoped["locks"]] == [f"taskdedup:billing:charge:{digest}"]
     home = web.get("/").text
     assert 'href="/locks?task=charge&amp;scope=billing"' in home
+
+
+def test_the_processing_lists_of_the_reliable_fetch_show_owners_sizes_and_orphans(
+    make_app: Callable[..., TestClient], redis_client: redis.Redis,
+) -> None:
+    """SPEC §17: a read-only page lists each worker's processing lists (owner, pid, queue list,
+    held, lease), flags the orphans (lease lapsed, messages waiting), and the overview says it
+    in one line; an owner entry that is not JSON, or a control character, breaks nothing."""
+    from taskdedup import processing
+
+    web = make_app(sample_every=3600)
+    assert "no worker uses the reliable fetch" in web.get("/fetch").text
+    assert "Reliable fetch" not in web.get("/").text
+    owners = processing.owners_key("taskdedup")
+    live, dead, odd = "w1@host/11/aaaa", "w2@host/22/bbbb", "w3\x1b[31m/33/cccc"
+    redis_client.hset(owners, mapping={
+        live: '{"worker": "w1@host", "host": "host", "pid": 11, "lease_ms": 30000}',
+        dead: '{"worker": "w2@host", "host": "host", "pid": 22, "lease_ms": 30000}',
+        odd: "not json"})
+    redis_client.set(processing.lease_key("taskdedup", live), "1", px=30_000)
+    redis_client.set(processing.lease_key("taskdedup", odd), "1", px=30_000)
+    for owner, source, count in ((live, "celery", 2), (live, "celery\x06\x163", 1),
+                                 (dead, "emails", 4)):
+        redis_client.sadd(processing.sources_key("taskdedup", owner), source)
+        redis_client.rpush(processing.list_key("taskdedup", owner, source), *range(count))
+    page = web.get("/fetch")
+    assert page.status_code == 200 and "\x1b" not in page.text
+    table = page.text[page.text.index('id="processing"'):]
+    assert "w1@host" in table and "celery\\x06\\x163" in table and "lapsed: orphan" in table
+    row = table[table.index("w2@host"):]
+    assert '<td class="n">4</td>' in row[:row.index("</tr>")]
+    assert "4 message(s) wait in the processing lists of 1 worker(s)" in page.text
+    assert "2 worker(s) on the reliable fetch hold 3 message(s)" in web.get("/").text
+    data = web.get("/api/fetch").json()["owners"]
+    by_owner = {o["owner"]: o for o in data}
+    assert by_owner[live]["lists"] == {"celery": 2, "celery\x06\x163": 1}
+    assert by_owner[dead]["orphan"] is True and by_owner[dead]["held"] == 4
+    assert by_owner[odd]["pid"] is None and by_owner[odd]["held"] == 0

@@ -21,6 +21,7 @@ from starlette.routing import Route
 
 from ..limits import summary
 from ..locks import lock_key_error, redis_error_text, shown, ttl_text
+from ..processing import holders
 from ..stats import read_stats
 from ..stores.redis import describe_client
 from . import render
@@ -134,6 +135,7 @@ def home(request: Request) -> Response:
         "<h2>Per task: enqueues, duplicates, lost leases, store errors</h2>",
         render.stats_table(stats, dash.history.window_deltas(), _window_text(dash)),
         *_limits_section(dash, stats),
+        *_fetch_summary(dash, root),
         f"<h2>Locks by task and state ({view.locks})</h2>", scope_note,
         render.counts_table(root, view.counts),
         f'<p class="muted">{view.no_expiry} without expiry (set by hand?)</p>'
@@ -148,6 +150,54 @@ def home(request: Request) -> Response:
         "the first time this dashboard saw the lock with its owner.</p>",
     ])
     return _html(request, "overview", body, refresh=30)
+
+
+def _fetch_summary(dash: _Dashboard, root: str) -> list[str]:
+    """One line on the reliable fetch's processing lists (SPEC §17), when any worker uses it."""
+    found = holders(dash.client, dash.prefix)
+    if not found:
+        return []
+    orphans = [h for h in found if h.orphan and h.held]
+    line = (f"{sum(1 for h in found if not h.orphan)} worker(s) on the reliable fetch hold "
+            f"{sum(h.held for h in found if not h.orphan)} message(s)")
+    if orphans:
+        line += (f'; <span class="warn">{sum(h.held for h in orphans)} wait in the lists of '
+                 f"{len(orphans)} worker(s) whose lease lapsed</span>")
+    return ["<h2>Reliable fetch</h2>", f"<p>{line} · {link(root, '/fetch', 'details')}</p>"]
+
+
+def fetch_lists(request: Request) -> Response:
+    """The reliable fetch's processing lists: who holds what, and the orphans (read-only)."""
+    dash = _dash(request)
+    found = holders(dash.client, dash.prefix)
+    orphans = [h for h in found if h.orphan and h.held]
+    note = (f'<p class="banner bad" id="orphans">{sum(h.held for h in orphans)} message(s) '
+            f"wait in the processing lists of {len(orphans)} worker(s) whose lease lapsed: a "
+            "live worker with the reliable fetch puts them back at the head of their queues "
+            "within a third of its lease (is one running on these queues?)</p>"
+            if orphans else "")
+    body = (
+        f"<h2>Processing lists ({len(found)} owner(s), "
+        f"{sum(h.held for h in found)} message(s) held)</h2>" + note
+        + render.table(["worker", "pid", "owner", "queue list", "held", "lease"],
+                       render.holder_rows(found), numeric=(1, 4), table_id="processing",
+                       empty="no worker uses the reliable fetch under this prefix "
+                       "(taskdedup_reliable_fetch; its lists live in the broker's Redis)")
+        + '<p class="muted">Each worker on the reliable fetch moves a message from its queue '
+        "into a list of its own, renews a lease while it lives, and removes the message on "
+        "ack. Messages held by a live worker (an ETA, a long task) are never handed out again; "
+        "a worker's lists are put back once its lease lapsed.</p>"
+    )
+    return _html(request, "processing lists", body, refresh=30)
+
+
+def api_fetch(request: Request) -> Response:
+    dash = _dash(request)
+    return _json({"owners": [
+        {"owner": h.owner, "worker": h.worker, "host": h.host, "pid": h.pid,
+         "lease_ms": h.lease_ms, "ttl_ms": h.ttl_ms, "orphan": h.orphan, "held": h.held,
+         "lists": h.lists}
+        for h in holders(dash.client, dash.prefix)]})
 
 
 def _page_args(request: Request) -> tuple[str | None, str | None, str | None, int]:
@@ -386,12 +436,14 @@ def build_app(
         Route("/", home),
         Route("/locks", locks),
         Route("/lock", lock_detail),
+        Route("/fetch", fetch_lists),
         Route("/clear", clear_form, methods=["POST"]),
         Route("/chart.svg", chart),
         Route("/api/locks", api_locks),
         Route("/api/lock", api_lock),
         Route("/api/stats", api_stats),
         Route("/api/series", api_series),
+        Route("/api/fetch", api_fetch),
         Route("/api/clear", clear_api, methods=["POST"]),
     ]
     history = StatsHistory(client, prefix, every=sample_every, keep=keep)

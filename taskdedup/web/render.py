@@ -11,6 +11,7 @@ from typing import Final
 from urllib.parse import urlencode
 
 from ..locks import Lock, key_name, shown, ttl_text
+from ..processing import Holder
 from ..stats import TaskStats
 from .data import STATES
 
@@ -94,6 +95,7 @@ def page(title: str, body: str, *, root: str, where: str, read_only: bool,
         f'<p class="muted">Redis at {esc(where)} · {esc(mode)} · {esc(clock_text(time.time()))}'
         "</p>"
         f"<nav>{link(root, '/', 'overview')}{link(root, '/locks', 'all locks')}"
+        f"{link(root, '/fetch', 'processing lists')}"
         f"{link(root, '/api/stats', 'stats (JSON)')}</nav>"
         f"{body}</body></html>"
     )
@@ -111,6 +113,20 @@ def lock_rows(root: str, locks: Iterable[Lock], *, extra: Mapping[str, str] | No
         if extra is not None:
             row.append(esc(extra.get(lock.key, "")))
         rows.append(row)
+    return rows
+
+
+def holder_rows(holders: Iterable[Holder]) -> list[list[str]]:
+    """One row per processing list of the reliable fetch: its owner (worker, pid), its
+    source queue, how many messages it holds, and the owner's lease (orphans flagged)."""
+    rows = []
+    for holder in holders:
+        lease = ('<span class="warn">lapsed: orphan</span>' if holder.orphan
+                 else esc(ttl_text(holder.ttl_ms)))
+        who = [esc(holder.worker or holder.owner), esc(holder.pid),
+               f"<code>{esc(holder.owner)}</code>"]
+        for source, size in sorted(holder.lists.items()) or [("", 0)]:
+            rows.append([*who, f"<code>{esc(source)}</code>", str(size), lease])
     return rows
 
 
