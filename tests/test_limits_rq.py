@@ -125,8 +125,8 @@ def test_killed_holder_frees_its_slot_within_the_lease(
 def test_rate_window_holds_no_more_than_limit_starts(
     rc: redis.Redis, workers: list[RqWorker]
 ) -> None:
-    q = DedupQueue(QUEUE, connection=rc, dedup=False,
-                   limits=[Rate(2, per=1.5, key=tenant_of)])
+    q = DedupQueue(QUEUE, connection=rc, dedup=False,  # several limits on one queue
+                   limits=[Rate(2, per=1.5, key=tenant_of), Concurrency(3, key=tenant_of)])
     name = label()
     sent = time.monotonic()
     jobs = [q.enqueue(hold, name, "acme", n, 0.05) for n in range(6)]

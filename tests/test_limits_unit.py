@@ -188,6 +188,16 @@ def test_drop_is_reported_as_dropped() -> None:
     assert str(pickle.loads(pickle.dumps(error))) == str(error)
 
 
+def test_a_full_concurrency_limit_drops_when_declared_so() -> None:
+    dedup = Deduplicator(MemoryStore(), prefix="lu")
+    declared = limits.coerce_limits([Concurrency(1, on_busy="drop")], "t")
+    held = limits.admit(dedup, "t", declared, (), {}, "a", 1000)
+    refused = limits.admit(dedup, "t", declared, (), {}, "b", 1000)
+    assert held.ok and refused.dropped and isinstance(refused.limit, Concurrency)
+    limits.release(dedup, held.slots)
+    assert limits.admit(dedup, "t", declared, (), {}, "c", 1000).ok
+
+
 def test_heartbeat_keeps_a_slot_past_its_lease(redis_client: redis.Redis) -> None:
     dedup = Deduplicator(RedisStore(redis_client), prefix="lu")
     declared = limits.coerce_limits([Concurrency(1)], "t")
