@@ -156,6 +156,7 @@ def test_excess_dropped_says_so_and_is_counted(capp: Any, rc: redis.Redis) -> No
             result.get(timeout=30)
         assert result.state == "FAILURE"
     assert [n for n, _ in started(rc, name)] == [0]  # the dropped bodies never ran
+    assert RateLimitedError in capp.drop_rate.throws  # an expected error: no traceback logged
     other = capp.drop_rate.delay(name, "globex", 5)  # another key has its own window
     assert other.get(timeout=30) == 5
 

@@ -33,7 +33,7 @@ from ..exceptions import (
     DuplicateTaskError,
     StoreUnavailableError,
 )
-from ..limits import Limit, coerce_limits
+from ..limits import Limit, RateLimitedError, coerce_limits
 from ..policy import MAX_DURATION_MS, OnDuplicate, Policy, is_disabled
 from ..running import Running
 from ..stores.base import LockState
@@ -93,8 +93,9 @@ class DedupTask(Task):  # type: ignore[misc]
     """
 
     dedup: Policy | Mapping[str, Any] | bool | None = None
-    # A duplicate that ends its workflow is an expected error: logged without a traceback.
-    throws: tuple[type[BaseException], ...] = (DuplicateTaskError,)
+    # A duplicate that ends its workflow, and a call a limit dropped, are expected errors:
+    # logged without a traceback.
+    throws: tuple[type[BaseException], ...] = (DuplicateTaskError, RateLimitedError)
     _dedup_policy: Policy | None = Policy()
     _dedup_duplicate_rate: float = 0.0
     _dedup_func: Callable[..., Any] | None = None
@@ -110,8 +111,9 @@ class DedupTask(Task):  # type: ignore[misc]
             raw = cls.__dict__["dedup"]
             cls._dedup_policy = Policy() if raw is None else Policy.coerce(raw)
         throws = tuple(cls.__dict__.get("throws") or ())
-        if DuplicateTaskError not in throws:
-            cls.throws = (*throws, DuplicateTaskError)
+        expected = tuple(e for e in (DuplicateTaskError, RateLimitedError) if e not in throws)
+        if expected:
+            cls.throws = (*throws, *expected)
         run = cls.__dict__.get("run")
         func = getattr(run, "__func__", run)
         if cls._dedup_policy is not None and callable(func):
