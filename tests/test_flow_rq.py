@@ -126,9 +126,10 @@ def test_a_burst_runs_once_after_wait_with_the_last_arguments(
     before = superseded(rc)
     jobs = []
     for n in range(5):
+        if n:
+            time.sleep(0.2)
+        last_sent = time.monotonic()
         jobs.append(q.enqueue(flow_jobs.run, name, n))
-        time.sleep(0.2)
-    last_sent = time.monotonic() - 0.2
     ended(*jobs)
     assert time.monotonic() - last_sent >= 1.5
     assert jobs[-1].return_value() == 4
