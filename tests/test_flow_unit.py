@@ -259,3 +259,20 @@ def test_rq_meta_carries_coalesce_and_debounce_to_the_worker(redis_url: str) -> 
             assert guard.policy.debounce == policy.debounce
     finally:
         client.close()
+
+
+def test_a_synchronous_rq_queue_runs_a_debounced_or_coalesced_call_at_once(
+    rc: redis.Redis,
+) -> None:
+    """is_async=False runs the job in the caller's process: no countdown, no follow-up, and
+    no Redis record needed (a MemoryStore does)."""
+    from taskdedup.rq import DedupQueue
+    from tests import flow_jobs
+
+    for policy in (Policy(include=["label"], debounce=Debounce(30)),
+                   Policy(mode="until_executed", include=["label"], on_duplicate="coalesce")):
+        q = DedupQueue(f"sync-{uuid.uuid4().hex[:8]}", connection=rc, is_async=False,
+                       dedup=policy, dedup_store=MemoryStore())
+        job = q.enqueue(flow_jobs.run, uuid.uuid4().hex, 7)
+        assert job is not None and job.get_status() == "finished"
+        assert job.return_value() == 7

@@ -252,9 +252,10 @@ class DedupQueue(Queue):
         create["meta"] = {**(params.get("meta") or {}),
                           META_KEY: meta_entry(name, identity.key, policy)}
         job = self.create_job(**create)  # RQ validates its options before anything is stored
-        if policy.debounce is not None and not unique:  # its countdown replaces `when`
+        flows = _compat.is_async(self) and not unique  # a synchronous queue runs it now
+        if policy.debounce is not None and flows:  # its countdown replaces `when`
             return self._enqueue_debounced(job, name, policy, identity, at_front)
-        if (policy.on_duplicate is OnDuplicate.COALESCE and job_id is None and not unique
+        if (policy.on_duplicate is OnDuplicate.COALESCE and job_id is None and flows
                 and when is None and not any(params.get(o) for o in _WORKFLOW_OPTIONS)):
             return self._enqueue_coalesced(job, name, policy, identity, params, create,
                                            publish, at_front)
