@@ -276,3 +276,25 @@ def test_a_synchronous_rq_queue_runs_a_debounced_or_coalesced_call_at_once(
         job = q.enqueue(flow_jobs.run, uuid.uuid4().hex, 7)
         assert job is not None and job.get_status() == "finished"
         assert job.return_value() == 7
+
+
+def test_celery_eager_runs_a_debounced_or_coalesced_call_at_once() -> None:
+    """task_always_eager runs the call in the caller's process: no countdown, no follow-up
+    (and no Redis record: a MemoryStore does)."""
+    from celery import Celery
+
+    from taskdedup.celery import DedupTask
+
+    app = Celery("flow-eager", broker="memory://", set_as_current=False)
+    app.conf.update(task_always_eager=True, taskdedup_store=MemoryStore())
+
+    @app.task(base=DedupTask, dedup=Policy(debounce=Debounce(30)), shared=False)
+    def bounced(x: int) -> int:
+        return x
+
+    @app.task(base=DedupTask, dedup=COALESCE, shared=False)
+    def folded(x: int) -> int:
+        return x
+
+    assert bounced.delay(3).get() == 3
+    assert folded.delay(4).get() == 4
