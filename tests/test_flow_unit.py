@@ -298,3 +298,16 @@ def test_celery_eager_runs_a_debounced_or_coalesced_call_at_once() -> None:
 
     assert bounced.delay(3).get() == 3
     assert folded.delay(4).get() == 4
+
+
+def test_the_scripts_run_on_fakeredis_lua() -> None:
+    """The testing recipe without a server (fakeredis[lua]) runs the flow scripts too."""
+    fakeredis = pytest.importorskip("fakeredis")
+    dedup = Deduplicator(RedisStore(fakeredis.FakeRedis()))
+    key = ident(dedup).key
+    policy = Policy(debounce=Debounce(1))
+    assert [debounce(dedup, "t", policy, key)[0] for _ in range(2)] == [1, 2]
+    assert claim(dedup, "t", policy, key, "a", generation=1,
+                 follow_up=False).verdict is Verdict.SUPERSEDED
+    assert claim(dedup, "t", policy, key, "b", generation=2,
+                 follow_up=False).verdict is Verdict.ACCEPTED
