@@ -162,3 +162,8 @@ def test_declaration_is_checked(rc: redis.Redis) -> None:
         DedupQueue("x", connection=rc, limits=["nope"])  # type: ignore[list-item]
     with pytest.raises(ConfigurationError, match="key must be a callable"):
         DedupQueue("x", connection=rc, limits=[Rate(1, per=1, key="tenant")])
+    idle = DedupQueue(f"idle-{label()}", connection=rc, dedup=False,
+                      limits=[Concurrency(1, key=tenant_of)])
+    with pytest.raises(TypeError, match=r"key function .* failed"):
+        idle.enqueue(hold, "too", "few")  # tenant_of needs n: nothing is enqueued
+    assert idle.count == 0
