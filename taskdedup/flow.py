@@ -36,7 +36,7 @@ from .stores.redis import _result as _lock_result
 
 __all__ = [
     "BUSY_TOLERANCE", "FOLLOW_UP", "GENERATION", "SUPERSEDED_MARK", "WAITING_SINCE", "Flow",
-    "busy_wait", "claim", "coalesce", "debounce", "debounce_key", "follow_up_key",
+    "busy_wait", "claim", "coalesce", "coalesced", "debounce", "debounce_key", "follow_up_key",
     "generation_of", "superseded_of", "superseded_value", "waiting_since",
 ]
 
@@ -203,13 +203,21 @@ def coalesce(
                                            time.perf_counter() - started)
         return Flow(answer.verdict, answer.existing_id, answer.state)
     follow = _text(reply[2]) or owner
-    generation = int(reply[3])
-    dedup._emit(Event.DUPLICATE, name, key, owner, follow, "coalesced",
-                time.perf_counter() - started)
+    coalesced(dedup, name, key, owner, follow, int(reply[3]), time.perf_counter() - started)
+    return Flow(Verdict.COALESCED, follow, _state(reply[1]) if _text(reply[1]) != "N" else None,
+                int(reply[3]))
+
+
+def coalesced(
+    dedup: Deduplicator, name: str, key: str, owner: str, follow: str, generation: int,
+    seconds: float | None = None,
+) -> None:
+    """Report a call folded into follow-up ``follow`` (``duplicate`` with the detail
+    ``coalesced``: *coalesced* in ``taskdedup stats``); also for the fused publish, whose
+    script answered it (:func:`taskdedup.stores.redis.reserve_and_run`)."""
+    dedup._emit(Event.DUPLICATE, name, key, owner, follow, "coalesced", seconds)
     logger.debug("taskdedup: %s coalesced into follow-up %s (generation %d)", name, follow,
                  generation)
-    return Flow(Verdict.COALESCED, follow, _state(reply[1]) if _text(reply[1]) != "N" else None,
-                generation)
 
 
 def debounce(dedup: Deduplicator, name: str, policy: Policy, key: str) -> tuple[int, float]:

@@ -36,7 +36,7 @@ from ..exceptions import (
 from ..limits import Limit, RateLimitedError, coerce_limits
 from ..policy import MAX_DURATION_MS, OnDuplicate, Policy, is_disabled
 from ..running import Running
-from ..stores.base import LockState
+from ..stores.base import LockState, Outcome
 from ..stores.redis import may_have_run, refused
 from . import _compat, claims, eager
 from . import limits as task_limits
@@ -183,17 +183,16 @@ class DedupTask(Task):  # type: ignore[misc]
             )
         previous = headers.get(HEADER)
         headers[HEADER] = {"task": self.name, "key": identity.key}
+        coalesce = False
         if carried is not None and isinstance(previous, Mapping):  # a republish keeps them
             headers[HEADER].update({f: previous[f] for f in _FLOW_FIELDS if f in previous})
         elif not (no_reserve or outbox or self.app.conf.task_always_eager):
             if policy.debounce is not None:
                 return self._publish_debounced(policy, identity, task_id, publish, headers,
                                                options)
-            if (policy.on_duplicate is OnDuplicate.COALESCE and task_id is None and not link
-                    and not link_error
-                    and not any(options.get(name) for name in _CALLBACK_OPTIONS)):
-                return self._publish_coalesced(policy, identity, task_id, publish, headers,
-                                               options)
+            coalesce = (policy.on_duplicate is OnDuplicate.COALESCE and task_id is None
+                        and not link and not link_error
+                        and not any(options.get(name) for name in _CALLBACK_OPTIONS))
         if not policy.mode.gates_enqueue or no_reserve:
             return publish(task_id, headers)
 
@@ -212,14 +211,18 @@ class DedupTask(Task):  # type: ignore[misc]
                     return publish(task_id, headers, acquired)
 
                 if isinstance(_compat.transport_of(acquired), RedisTransport):
+                    follow_up = (flow.follow_up_key(get_deduplicator(self.app), identity.key)
+                                 if coalesce else None)
                     handle = self._publish_fused(policy, identity, task_id, ttl_ms, publish_on,
                                                  headers, link, link_error, options, fresh,
-                                                 given, outbox)
+                                                 given, outbox, follow_up)
                     if pending is not None:  # already one round trip: published, recorded
                         pending.results.append(handle)
                     return handle
             # A producer not on RedisTransport (fused_producer never gives one): never push
             # without the gate, reserve in a round trip of its own below.
+        if coalesce:  # its gate in a round trip of its own (flow.coalesce), then the push
+            return self._publish_coalesced(policy, identity, given, publish, headers, options)
         if pending is not None and not is_eager and not outbox:
             return pending.defer(Deferred(self, policy, identity, task_id, ttl_ms, publish,
                                           headers, link, link_error, options, fresh, given))
@@ -255,11 +258,14 @@ class DedupTask(Task):  # type: ignore[misc]
         self, policy: Policy, identity: Identity, task_id: str, ttl_ms: int,
         publish: Callable[[str | None, dict[str, Any] | None], Any], headers: dict[str, Any],
         link: Any, link_error: Any, options: Mapping[str, Any], fresh: bool = False,
-        given: str | None = None, outbox: bool = False,
+        given: str | None = None, outbox: bool = False, follow_up: str | None = None,
     ) -> Any:
-        """Publish with the reservation inside the broker's push (:class:`RedisTransport`)."""
+        """Publish with the reservation inside the broker's push (:class:`RedisTransport`);
+        with ``follow_up`` (coalesce), a call the script folds into the follow-up pushes
+        nothing and is published again as the follow-up's message."""
         fused = Fused(identity.key, task_id, ttl_ms, identity.check,
-                      policy.on_duplicate is OnDuplicate.REPLACE, fresh=fresh)
+                      policy.on_duplicate is OnDuplicate.REPLACE, fresh=fresh,
+                      follow_up=follow_up)
         token = FUSED.set(fused)
         started = time.perf_counter()
         failure: StoreUnavailableError | None = None
@@ -286,6 +292,13 @@ class DedupTask(Task):  # type: ignore[misc]
             logger.warning("taskdedup: %s[%s] was published without its reservation (the "
                            "broker's push did not run the gate)", self.name, task_id)
             return handle
+        if fused.result.outcome is Outcome.COALESCED:
+            _compat.forget_pending(self, task_id)  # it was never sent
+            self._note_outcome(True)
+            follow = fused.result.owner or task_id
+            flow.coalesced(dedup, self.name, identity.key, task_id, follow, fused.generation,
+                           time.perf_counter() - started)
+            return self._publish_follow_up(follow, fused.generation, publish, headers)
         result = dedup.verdict(self.name, identity, task_id, fused.result,
                                time.perf_counter() - started)
         self._note_outcome(result.verdict is Verdict.DUPLICATE)
@@ -330,10 +343,8 @@ class DedupTask(Task):  # type: ignore[misc]
         answer = flow.coalesce(dedup, self.name, policy, identity, owner, ttl_ms, fresh=True)
         self._note_outcome(answer.verdict is Verdict.DUPLICATE)
         if answer.verdict is Verdict.COALESCED:
-            follow = answer.existing_id or owner
-            marked_headers = {**headers, HEADER: {**headers[HEADER],
-                                                  flow.FOLLOW_UP: answer.generation}}
-            return publish(follow, marked_headers)
+            return self._publish_follow_up(answer.existing_id or owner, answer.generation,
+                                           publish, headers)
         if answer.verdict is Verdict.DUPLICATE:
             return self._on_duplicate(policy, identity.key, answer.existing_id, owner, task_id,
                                       publish, headers, None, None, options)
@@ -343,6 +354,16 @@ class DedupTask(Task):  # type: ignore[misc]
             if answer.verdict is not Verdict.UNGUARDED:
                 dedup.release(self.name, identity.key, owner, reason="publish_failed")
             raise
+
+    @staticmethod
+    def _publish_follow_up(
+        follow: str, generation: int, publish: Callable[[str | None, dict[str, Any]], Any],
+        headers: dict[str, Any],
+    ) -> Any:
+        """Publish this call as the newest message of follow-up ``follow`` (its id, this
+        call's arguments, the follow-up's ``generation``): kombu's own push."""
+        return publish(follow, {**headers, HEADER: {**headers[HEADER],
+                                                    flow.FOLLOW_UP: generation}})
 
     def _note_outcome(self, duplicate: bool) -> None:
         """Track this task's recent duplicate rate (an exponential moving average).

@@ -56,6 +56,10 @@ class Fused:
     """Not a retry or a republish of ``owner``'s message: its own lock is a duplicate."""
     result: LockResult | None = None
     unsure: set[str] = field(default_factory=set)
+    follow_up: str | None = None
+    """``on_duplicate="coalesce"``: the follow-up record's key (SPEC §15); a COALESCED answer
+    pushes nothing and leaves the follow-up's generation in :attr:`generation`."""
+    generation: int = 0
 
     def run(self, client: redis.Redis, commands: list[tuple[Any, ...]]) -> None:
         """Reserve and, if the gate lets the message through, run ``commands``: one script.
@@ -66,10 +70,11 @@ class Fused:
         """
         target = str(commands[0][1])
         try:
-            self.result, _ = reserve_and_run(client, self.key, self.owner, self.ttl_ms,
-                                             self.check, self.replace, commands,
-                                             resent=target in self.unsure,
-                                             fresh=self.fresh, window=probe_for(self.key))
+            self.result, extra = reserve_and_run(client, self.key, self.owner, self.ttl_ms,
+                                                 self.check, self.replace, commands,
+                                                 resent=target in self.unsure,
+                                                 fresh=self.fresh, window=probe_for(self.key),
+                                                 follow_up=self.follow_up)
         except StoreUnavailableError as exc:
             cause = exc.__cause__
             if may_have_run(exc) and isinstance(cause, redis.RedisError):
@@ -77,6 +82,8 @@ class Fused:
                 raise cause from None
             raise
         self.unsure.discard(target)
+        if self.result.outcome is Outcome.COALESCED and extra:
+            self.generation = int(extra[0])
         if self.result.outcome in (Outcome.ACQUIRED, Outcome.REPLACED):
             # The lock is this publish's own now: its push to another queue (one publish
             # routed to two queues) is the same message, not a fresh call.

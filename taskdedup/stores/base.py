@@ -31,6 +31,9 @@ class Outcome(IntEnum):
     """heartbeat / complete / release: the lock is absent or owned by someone else."""
     REPLACED = 6
     """replace: a queued original was displaced; ``owner`` is the displaced id."""
+    COALESCED = 7
+    """the fused enqueue under ``on_duplicate="coalesce"`` (SPEC §15): nothing was pushed;
+    ``owner`` is the follow-up's id, whose message the caller publishes."""
 
 
 class LockState(StrEnum):

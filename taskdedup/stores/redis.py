@@ -690,7 +690,7 @@ _RESENT = "="  # enqueue.lua's ARGV[5] for a call sent again
 def reserve_and_run(
     client: redis.Redis, key: str, owner: str, ttl_ms: int, check: str, replace: bool,
     commands: Sequence[Sequence[Any]], peek: str = "", *, resent: bool = False,
-    fresh: bool = False, window: Probe | None = None,
+    fresh: bool = False, window: Probe | None = None, follow_up: str | None = None,
 ) -> tuple[LockResult, list[Any] | None]:
     """Reserve ``key`` (or replace, as :meth:`RedisStore.replace`) and, when the gate lets the
     call through, run ``commands`` (the broker's own enqueue: a push, a job write) —
@@ -709,7 +709,10 @@ def reserve_and_run(
     :meth:`RedisStore.reserve`. With ``window`` (an approximate window's probe), the live
     slices are checked in the same script, on the server's clock, as in
     :meth:`RedisStore.reserve` (a caller off by more than a slice calls once more, nothing
-    having run).
+    having run). With ``follow_up`` (``on_duplicate="coalesce"``: the follow-up record's key,
+    in the lock's slot), a call that joins a waiting follow-up or finds the lock running by
+    another id runs no command and is answered ``COALESCED`` with the follow-up's id, the
+    second item then ``[its generation]`` (:mod:`taskdedup.flow`).
 
     Raises:
         StoreUnavailableError: the script could not run, or one of ``commands`` failed (then
@@ -722,13 +725,15 @@ def reserve_and_run(
         if peek:
             raise ValueError("reserve_and_run: peek and resent exclude each other")
         peek = _RESENT
-    flags = ("1" if replace else "0") + ("1" if fresh else "0")
+    flags = ("1" if replace else "0") + ("1" if fresh else "0") + ("1" if follow_up else "")
     tail: list[Any] = []
     for command in commands:
         tail.append(len(command))
         tail.extend(command)
     for _ in range(_WINDOW_TRIES):
         keys, extra = window_keys(key, window)
+        if follow_up:
+            keys = [*keys, follow_up]  # coalesce takes no window: KEYS[2]
         args: list[Any] = [len(keys), *keys, owner, ttl_ms, check, flags, peek,
                            extra[0] if extra else "", *tail]
         try:
@@ -746,5 +751,7 @@ def reserve_and_run(
             break
     else:
         raise _clock_error(key)
+    if reply[0] == Outcome.COALESCED:
+        return LockResult(Outcome.COALESCED, _text(reply[2])), [int(reply[3])]
     peeked = reply[3] if len(reply) > 3 else None
     return _result(reply[:3]), peeked

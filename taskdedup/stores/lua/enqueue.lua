@@ -8,7 +8,11 @@
 -- ARGV[3]  check    "" or the 32-hex digest of the arguments (explicit idempotency keys)
 -- ARGV[4]  flags: "1" for on_duplicate="replace", else "0"; then "1" for a fresh call (not a
 --          retry or republish of the owner's message: the owner's own lock is a duplicate
---          of itself), else "0" or nothing
+--          of itself), else "0" or nothing; then "1" for on_duplicate="coalesce" (SPEC §15),
+--          KEYS[2] then being the follow-up record: a call that joins a waiting follow-up
+--          or finds the lock running by another id is answered as coalesce.lua answers
+--          ({7, 'N' or 'R', the follow-up's id, its generation}) and runs no command (the
+--          caller publishes the follow-up's message, which carries the generation)
 -- ARGV[5]  peek     "" or a key prefix of job hashes (RQ's "rq:job:"): on a duplicate the
 --                   reply also carries HGETALL of peek .. holder (the original job's handle);
 --                   and a call whose own job is already written and alive (a client retry
@@ -48,6 +52,27 @@ if ARGV[5] ~= '' then
         return {1, false, false}  -- this very call, sent again: the lock and the job are there
       end
     end
+  end
+end
+if string.sub(ARGV[4], 3, 3) == '1' then
+  local gen, next_id = 0, ''
+  local record = redis.call('GET', KEYS[2])
+  if record then
+    local g, id = string.match(record, '^(%d+)|(.*)$')
+    if g then
+      gen, next_id = tonumber(g), id
+    end
+  end
+  local held_state, _, held_owner = parse(value)
+  if next_id == '' and held_state == 'R' and held_owner ~= ARGV[1] then
+    next_id = ARGV[1]
+  end
+  if next_id ~= '' then
+    local keep = tonumber(ARGV[2])
+    local pttl = redis.call('PTTL', KEYS[2])
+    if next_id ~= ARGV[1] and pttl > keep then keep = pttl end
+    redis.call('SET', KEYS[2], (gen + 1) .. '|' .. next_id, 'PX', keep)
+    return {7, next_id == ARGV[1] and 'R' or 'N', next_id, gen + 1}
   end
 end
 local result = gate(KEYS[1], ARGV[1], ARGV[2], ARGV[3], string.sub(ARGV[4], 1, 1) == '1',
