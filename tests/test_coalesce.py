@@ -48,6 +48,26 @@ def capp(redis_url: str, workers: list[CeleryWorker]) -> Any:
     return flow_app
 
 
+@pytest.fixture(scope="module")
+def fused(redis_url: str, capp: Any) -> Any:
+    """A producer app whose broker is the lock Redis (no taskdedup_url): its gated publishes
+    reserve inside the push (one round trip), the coalesce gate included; the same task
+    names and policies as tests.flow_app, run by the module's workers."""
+    from celery import Celery
+
+    from taskdedup.celery import DedupTask
+    from taskdedup.celery.config import fuses
+    from tests.flow_jobs import run
+
+    app = Celery("flow-producer", broker=redis_url, backend=redis_url, set_as_current=False)
+    app.conf.update(task_default_queue=QUEUE, result_expires=600)
+    tasks = {name: app.task(base=DedupTask, dedup=getattr(capp, name)._dedup_policy,
+                            name=getattr(capp, name).name, shared=False)(run)
+             for name in ("coalesced", "coalesced_window")}
+    assert fuses(app)
+    return tasks
+
+
 def label() -> str:
     return uuid.uuid4().hex[:12]
 
@@ -63,16 +83,19 @@ def coalesced_count(rc: redis.Redis, task: str) -> int:
     return sum(s.get("duplicate:coalesced") for s in found.values())
 
 
+@pytest.mark.parametrize("producer", ["separate", "fused"])
 @pytest.mark.parametrize("task", ["coalesced", "coalesced_window"])
 def test_duplicates_of_a_running_call_become_one_follow_up_with_the_latest_arguments(
-    capp: Any, rc: redis.Redis, workers: list[CeleryWorker], task: str
+    capp: Any, fused: Any, rc: redis.Redis, workers: list[CeleryWorker], task: str,
+    producer: str,
 ) -> None:
     """The first call runs (held by its gate); five duplicates get one follow-up handle, not
     the running id; the follow-up runs once, after the first, with the last call's argument,
     and its handle reaches SUCCESS with that run's result. Nothing runs beside anything; the
-    five are counted as coalesced."""
+    five are counted as coalesced. Published with the gate in a round trip of its own
+    (the test app names a lock URL) and inside the push (a producer on the lock Redis)."""
     name = label()
-    t = getattr(capp, task)
+    t = getattr(capp, task) if producer == "separate" else fused[task]
     before = coalesced_count(rc, task)
     first = t.delay(name, 0, name)
     wait_for(started(rc, name, 0), timeout=30, what="the first call runs")

@@ -311,3 +311,52 @@ def test_the_scripts_run_on_fakeredis_lua() -> None:
                  follow_up=False).verdict is Verdict.SUPERSEDED
     assert claim(dedup, "t", policy, key, "b", generation=2,
                  follow_up=False).verdict is Verdict.ACCEPTED
+
+
+def test_celery_coalesce_publishes_in_one_round_trip_unless_it_becomes_a_follow_up(
+    redis_url: str, rc: redis.Redis, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a Redis broker holding the locks the coalesce gate rides in the push: a first call
+    and a duplicate of a queued one cost one round trip each (as on_duplicate='return'); a
+    call folded into a follow-up pushes nothing in that script and is published again under
+    the follow-up's id (two). No worker: the test plays the running original."""
+    from celery import Celery
+
+    from benchmarks.harness import RoundTripCounter
+    from taskdedup.celery import DedupTask, get_deduplicator
+    from taskdedup.celery.config import fuses
+
+    monkeypatch.delenv("TASKDEDUP_URL", raising=False)
+    queue = f"flow-unit-{uuid.uuid4().hex[:8]}"
+    app = Celery("flow-fused", broker=redis_url, set_as_current=False)
+    app.conf.update(task_default_queue=queue, task_ignore_result=True)
+
+    @app.task(base=DedupTask, dedup=Policy(mode="until_executed", lease=10, include=["label"],
+                                           on_duplicate="coalesce"),
+              shared=False, name="flow.unit.folded")
+    def folded(label: str, n: int) -> int:
+        return n
+
+    assert fuses(app)
+    name = uuid.uuid4().hex
+    folded.apply_async((f"warm-{name}", 0))  # connections, scripts
+    with RoundTripCounter() as first:
+        original = folded.delay(name, 0)
+    with RoundTripCounter() as queued:
+        again = folded.delay(name, 1)
+    assert again.id == original.id
+    assert (first.round_trips, queued.round_trips) == (1, 1), (first.commands,
+                                                               queued.commands)
+    dedup = get_deduplicator(app)
+    policy = folded._dedup_policy
+    assert policy is not None
+    key = dedup.identity(folded.name, policy, (name, 0), {}, func=folded.run).key
+    assert dedup.start(folded.name, policy, key, original.id).verdict is Verdict.ACCEPTED
+    with RoundTripCounter() as joined:
+        follow = folded.delay(name, 2)
+    assert follow.id != original.id and joined.round_trips == 2, joined.commands
+    assert rc.get(follow_up_key(dedup, key)) == f"1|{follow.id}".encode()
+    assert folded.delay(name, 3).id == follow.id
+    assert rc.get(follow_up_key(dedup, key)) == f"2|{follow.id}".encode()
+    assert rc.llen(queue) == 4  # warm, original, and the follow-up's two messages
+    rc.delete(queue)
