@@ -35,7 +35,7 @@ from ..exceptions import ConfigurationError, DuplicateTaskError, StoreUnavailabl
 from ..limits import Limit, coerce_limits
 from ..policy import MAX_DURATION_MS, OnDuplicate, Policy, PolicyLike, is_disabled
 from ..running import Running
-from ..stores.base import LockState, Store
+from ..stores.base import LockState, Outcome, Store
 from ..stores.redis import RedisStore, may_have_run, reserve_and_run
 from . import _compat, many
 from . import limits as job_limits
@@ -257,6 +257,12 @@ class DedupQueue(Queue):
             return self._enqueue_debounced(job, name, policy, identity, at_front)
         if (policy.on_duplicate is OnDuplicate.COALESCE and job_id is None and flows
                 and when is None and not any(params.get(o) for o in _WORKFLOW_OPTIONS)):
+            commands = self._captured(job, publish, when) if self._fuses(job, when) else None
+            if commands is not None:  # one round trip unless the call becomes a follow-up
+                ttl_ms = self._reservation_ttl_ms(policy, when, params.get("ttl"))
+                return self._enqueue_fused(
+                    job, name, policy, identity, ttl_ms, commands, params, publish,
+                    follow_up=(create, at_front))
             return self._enqueue_coalesced(job, name, policy, identity, params, create,
                                            publish, at_front)
         if not policy.mode.gates_enqueue:
@@ -308,6 +314,17 @@ class DedupQueue(Queue):
             job.enqueue_at_front = True
         return self.schedule_job(job, now() + timedelta(seconds=delay))
 
+    def _follow_up(
+        self, follow: str, generation: int, job: Job, create: Mapping[str, Any],
+        at_front: bool,
+    ) -> Job:
+        """Write this call as the follow-up job ``follow`` (its data with this call's
+        arguments, its meta with the follow-up's generation) and queue its id."""
+        if follow != job.id:
+            job = self.create_job(**{**create, "job_id": follow})
+        _flow_meta(job, flow.FOLLOW_UP, generation)
+        return self.enqueue_job(job, at_front=at_front)
+
     def _enqueue_coalesced(
         self, job: Job, name: str, policy: Policy, identity: Identity,
         params: Mapping[str, Any], create: dict[str, Any], publish: Callable[[Job], Job],
@@ -321,11 +338,8 @@ class DedupQueue(Queue):
         ttl_ms = self._reservation_ttl_ms(policy, None, params.get("ttl"))
         answer = flow.coalesce(self.dedup, name, policy, identity, owner, ttl_ms)
         if answer.verdict is Verdict.COALESCED:
-            follow = answer.existing_id or owner
-            if follow != owner:
-                job = self.create_job(**{**create, "job_id": follow})
-            _flow_meta(job, flow.FOLLOW_UP, answer.generation)
-            return self.enqueue_job(job, at_front=at_front)
+            return self._follow_up(answer.existing_id or owner, answer.generation, job,
+                                   create, at_front)
         if answer.verdict is Verdict.DUPLICATE:
             return self._on_duplicate(policy, name, identity.key, answer.existing_id, params)
         try:
@@ -366,6 +380,7 @@ class DedupQueue(Queue):
     def _enqueue_fused(
         self, job: Job, name: str, policy: Policy, identity: Identity, ttl_ms: int,
         commands: list[Any], params: Mapping[str, Any], publish: Callable[[Job], Job],
+        follow_up: tuple[Mapping[str, Any], bool] | None = None,
     ) -> Job | None:
         """Reserve and enqueue in one Lua script (``enqueue.lua``), one round trip.
 
@@ -379,17 +394,24 @@ class DedupQueue(Queue):
         owner = job.id
         replace = policy.on_duplicate is OnDuplicate.REPLACE
         peek = self.job_class.redis_job_namespace_prefix
+        record = None if follow_up is None else flow.follow_up_key(self.dedup, identity.key)
         for _attempt in range(2):
             started = time.perf_counter()
             try:
                 lock, peeked = reserve_and_run(self.connection, identity.key, owner, ttl_ms,
                                                identity.check, replace, commands, peek,
-                                               window=window_probe(policy, identity.key))
+                                               window=window_probe(policy, identity.key),
+                                               follow_up=record)
             except StoreUnavailableError as exc:
                 if may_have_run(exc):  # the queue's Redis is unreachable: as a plain enqueue
                     raise
                 self.dedup.store_error(name, policy, identity.key, owner, exc, "enqueue")
                 return publish(job)  # on_store_error="allow": enqueued without dedup
+            if lock.outcome is Outcome.COALESCED and follow_up is not None and peeked:
+                follow, generation = lock.owner or owner, int(peeked[0])
+                flow.coalesced(self.dedup, name, identity.key, owner, follow, generation,
+                               time.perf_counter() - started)
+                return self._follow_up(follow, generation, job, *follow_up)
             result = self.dedup.verdict(name, identity, owner, lock,
                                         time.perf_counter() - started)
             if result.verdict is Verdict.REPLACED and result.existing_id:
