@@ -360,3 +360,44 @@ def test_celery_coalesce_publishes_in_one_round_trip_unless_it_becomes_a_follow_
     assert rc.get(follow_up_key(dedup, key)) == f"2|{follow.id}".encode()
     assert rc.llen(queue) == 4  # warm, original, and the follow-up's two messages
     rc.delete(queue)
+
+
+def test_rq_coalesce_enqueues_in_one_round_trip_unless_it_becomes_a_follow_up(
+    rc: redis.Redis,
+) -> None:
+    """The same on a DedupQueue whose locks live in its own Redis (the fused enqueue)."""
+    from rq import Queue
+
+    from benchmarks.harness import RoundTripCounter
+    from taskdedup.rq import DedupQueue
+    from tests import flow_jobs
+
+    queue_name = f"flow-unit-{uuid.uuid4().hex[:8]}"
+    q = DedupQueue(queue_name, connection=rc, dedup=Policy(
+        mode="until_executed", lease=10, include=["label"], on_duplicate="coalesce"))
+    name = uuid.uuid4().hex
+    q.enqueue(flow_jobs.run, f"warm-{name}", 0)  # the fused path's check, scripts
+    with RoundTripCounter() as first:
+        original = q.enqueue(flow_jobs.run, name, 0)
+    with RoundTripCounter() as queued:
+        again = q.enqueue(flow_jobs.run, name, 1)
+    assert original is not None and again is not None and again.id == original.id
+    assert (first.round_trips, queued.round_trips) == (1, 1), (first.commands,
+                                                               queued.commands)
+    key = q.dedup.identity("tests.flow_jobs.run", q.dedup_policy, (name, 0),  # type: ignore[arg-type]
+                           {}, func=flow_jobs.run).key
+    assert q.dedup.start("tests.flow_jobs.run", q.dedup_policy, key,  # type: ignore[arg-type]
+                         original.id).verdict is Verdict.ACCEPTED
+    with RoundTripCounter() as joined:
+        follow = q.enqueue(flow_jobs.run, name, 2)
+    assert follow is not None and follow.id != original.id
+    plain = Queue(queue_name, connection=rc)
+    plain.enqueue(flow_jobs.run, "warm", 0)
+    with RoundTripCounter() as rq_own:
+        plain.enqueue(flow_jobs.run, "plain", 0)
+    # the script's answer, then RQ's own enqueue of the follow-up's job
+    assert joined.round_trips == 1 + rq_own.round_trips, joined.commands
+    latest = q.enqueue(flow_jobs.run, name, 3)
+    assert latest is not None and latest.id == follow.id
+    assert latest.args == (name, 3)  # the follow-up's data: the latest call's arguments
+    rc.delete(q.key)
