@@ -41,7 +41,7 @@ SEPARATE = "taskdedup DedupTask, gate in its own round trip"
 FUSED = "taskdedup DedupTask, reserve inside the push (default)"
 """A ``redis://`` broker holding the locks: ``RedisTransport``, one script per publish."""
 BATCHED = "taskdedup DedupTask, own round trip, loop in batch()"
-COALESCE = "taskdedup on_duplicate='coalesce' (its gate, then the push)"
+COALESCE = "taskdedup on_duplicate='coalesce' (inside the push)"
 DEBOUNCE = "taskdedup debounce=Debounce(60) (generation, then the push)"
 """SPEC §15: every call is published (with a countdown), so a duplicate costs a push too."""
 RUN_ARG = "bench:publish|0"  # the fifth argument; no worker runs these
