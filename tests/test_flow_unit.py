@@ -401,3 +401,32 @@ def test_rq_coalesce_enqueues_in_one_round_trip_unless_it_becomes_a_follow_up(
     assert latest is not None and latest.id == follow.id
     assert latest.args == (name, 3)  # the follow-up's data: the latest call's arguments
     rc.delete(q.key)
+
+
+def test_prometheus_and_stats_count_coalesced_and_superseded(dedup: Deduplicator) -> None:
+    """What the flow produces reaches the Prometheus listener and the stats fields."""
+    pytest.importorskip("prometheus_client")
+    from prometheus_client import CollectorRegistry
+
+    from taskdedup.metrics import attach
+    from taskdedup.stats import event_fields
+
+    registry = CollectorRegistry()
+    attach(dedup, registry)
+    fields: list[tuple[str, int]] = []
+    dedup.events.add(lambda event: fields.extend(event_fields(event)))
+    identity = ident(dedup)
+    coalesce(dedup, "t", COALESCE, identity, "a", 60_000)
+    dedup.start("t", COALESCE, identity.key, "a")
+    coalesce(dedup, "t", COALESCE, identity, "b", 60_000)
+    policy = Policy(debounce=Debounce(5))
+    for _ in range(2):
+        debounce(dedup, "t", policy, identity.key)
+    claim(dedup, "t", policy, identity.key, "x", generation=1, follow_up=False)
+
+    def answered(answer: str) -> float | None:
+        return registry.get_sample_value("taskdedup_second_calls_total",
+                                         {"task": "t", "answer": answer})
+
+    assert answered("coalesced") == 1.0 and answered("superseded") == 1.0
+    assert ("duplicate:coalesced", 1) in fields and ("skipped:superseded", 1) in fields
