@@ -192,8 +192,9 @@ def test_priorities_and_queues_are_taken_in_kombus_order(
 ) -> None:
     """The same messages, consumed by kombu's fetch and by the reliable fetch, come out in the
     same order: priority lists first (0 highest on Redis), queues round robin."""
+    names = [f"o1-{uuid.uuid4().hex[:4]}", f"o2-{uuid.uuid4().hex[:4]}"]  # one order of both
+
     def order(conn: Connection) -> list[Any]:
-        names = [f"o1-{uuid.uuid4().hex[:4]}", f"o2-{uuid.uuid4().hex[:4]}"]
         for tag, name in zip("xy", names, strict=True):
             publish(redis_url, name, [f"{tag}0-{i}" for i in range(3)], priority=0)
             publish(redis_url, name, [f"{tag}6-{i}" for i in range(2)], priority=6)
@@ -366,3 +367,96 @@ def test_the_operators_tools_leave_the_processing_lists_alone(
             assert "fetch" not in done.output
         assert lists(rc, prefix) == {message.channel._taskdedup_fetcher.owner: 1}
         message.ack()
+
+
+# -- the choice, per app ------------------------------------------------------------------------
+
+
+def fresh_app(broker: str, **settings: Any) -> Any:
+    from celery import Celery
+
+    app = Celery(f"choice-{uuid.uuid4().hex[:6]}", broker=broker, set_as_current=False)
+    app.conf.update(settings)
+    return app
+
+
+def test_the_fetch_is_chosen_once_per_app_and_applied_only_to_its_workers(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Off: nothing said, nothing changed. On with one redis:// (or kombu's own transport
+    name): the worker's transport becomes taskdedup's, with the fetch's options, and an INFO
+    says so; a bare rediss:// keeps kombu's TLS default; sentinel:// gets the Sentinel
+    variant. CELERY_TASKDEDUP_RELIABLE_FETCH from Django settings maps to the setting."""
+    from taskdedup.celery.config import reliable_fetch, use_reliable_fetch
+    from taskdedup.celery.transport import SENTINEL_TRANSPORT, TRANSPORT
+
+    caplog.set_level("INFO", logger="taskdedup")
+    off = fresh_app("redis://h:1/0")
+    assert not use_reliable_fetch(off) and off.conf.broker_transport is None
+    assert "fetch" not in caplog.text
+    on = fresh_app("redis://h:1/0", taskdedup_reliable_fetch=True, taskdedup_fetch_lease=12,
+                   broker_transport_options={"visibility_timeout": 60})
+    assert use_reliable_fetch(on, "w1@host")
+    assert on.conf.broker_transport == TRANSPORT
+    assert on.conf.broker_transport_options == {
+        "visibility_timeout": 60, "taskdedup_reliable_fetch": True,
+        "taskdedup_fetch_lease": 12.0, "taskdedup_fetch_poll": 0.2,
+        "taskdedup_prefix": "taskdedup", "taskdedup_worker": "w1@host"}
+    assert caplog.text.count("consumes through taskdedup's reliable fetch") == 1
+    assert reliable_fetch(on) and caplog.text.count("reliable fetch") == 1  # decided once
+    tls = fresh_app("rediss://h:1/0", taskdedup_reliable_fetch=True)
+    assert use_reliable_fetch(tls) and tls.conf.broker_use_ssl["ssl_cert_reqs"] == 0
+    named = fresh_app("redis://h:1/0", taskdedup_reliable_fetch=True, broker_transport="redis")
+    assert use_reliable_fetch(named) and named.conf.broker_transport == TRANSPORT
+    sentinel = fresh_app("sentinel://h:26379", taskdedup_reliable_fetch=True)
+    assert use_reliable_fetch(sentinel) and sentinel.conf.broker_transport == SENTINEL_TRANSPORT
+
+    class Django:
+        CELERY_BROKER_URL = "redis://h:1/0"
+        CELERY_TASKDEDUP_RELIABLE_FETCH = True
+        CELERY_TASKDEDUP_FETCH_LEASE = 7
+
+    django = fresh_app("redis://h:1/0")
+    django.config_from_object(Django, namespace="CELERY")
+    assert use_reliable_fetch(django)
+    assert django.conf.broker_transport_options["taskdedup_fetch_lease"] == 7.0
+
+
+@pytest.mark.parametrize(("broker", "settings", "why"), [
+    ("amqp://h//", {}, "the broker is not Redis (amqp://)"),
+    ("redis://h:1/0", {"broker_transport": "myproject.transport:Mine"},
+     "broker_transport is 'myproject.transport:Mine', not taskdedup's"),
+    ("redis://h:1/0", {"broker_transport_options": {"ack_emulation": False}},
+     "ack_emulation'] is False"),
+])
+def test_a_worker_that_cannot_use_the_reliable_fetch_keeps_kombus_and_warns(
+    caplog: pytest.LogCaptureFixture, broker: str, settings: dict[str, Any], why: str,
+) -> None:
+    from taskdedup.celery.config import use_reliable_fetch
+
+    app = fresh_app(broker, taskdedup_reliable_fetch=True, **settings)
+    transport = app.conf.broker_transport
+    assert not use_reliable_fetch(app)
+    assert app.conf.broker_transport == transport
+    (record,) = [r for r in caplog.records if "fetch" in r.getMessage()]
+    assert record.levelname == "WARNING"
+    assert "the fetch is not reliable" in record.getMessage() and why in record.getMessage()
+
+
+def test_a_kombu_that_moved_what_the_fetch_relies_on_keeps_kombus_fetch(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Checked when the worker starts: a channel without kombu's _brpop_read (a future
+    kombu) is named in the WARNING, and the worker consumes with kombu's own code."""
+    from taskdedup.celery import _compat
+    from taskdedup.celery.config import use_reliable_fetch
+
+    class Moved(_compat.Channel):  # type: ignore[misc]
+        _brpop_read = None
+
+    assert _compat.reliable_fetch_missing(Moved) == (
+        "kombu's Redis channel's _brpop_read is not a method")
+    monkeypatch.setattr(RedisTransport, "Channel", Moved)
+    app = fresh_app("redis://h:1/0", taskdedup_reliable_fetch=True)
+    assert not use_reliable_fetch(app) and app.conf.broker_transport is None
+    assert "_brpop_read is not a method: the worker keeps kombu's fetch" in caplog.text

@@ -35,11 +35,11 @@ from taskdedup.testing import wait_for
 from tests.fault_jobs import report
 from tests.fetch_workers import PREFIX, FetchWorker, held, ran, start_all, unacked
 
-pytestmark = pytest.mark.slow
-
 SOAK = int(os.environ.get("TASKDEDUP_SOAK_FETCH", "0") or "0")
 KILLS = SOAK or 24
 KOMBU_KILLS = max(4, SOAK // 4)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300 + 4 * KILLS)]
 BATCH = 6  # victims started side by side
 PAUSE = {"TASKDEDUP_TEST_PAUSE_AFTER_FETCH": "60"}
 VISIBILITY = {"TASKDEDUP_TEST_VISIBILITY": "2"}  # kombu's restore, were anything to restore

@@ -170,7 +170,7 @@ def _choose_fetch(app: Celery) -> tuple[bool, str]:
     ours = _fetch_transport(scheme)
     own = "the worker keeps kombu's fetch"
     if transport is not None and transport not in (RedisTransport, TRANSPORT, SentinelTransport,
-                                                   SENTINEL_TRANSPORT):
+                                                   SENTINEL_TRANSPORT, *_KOMBU_NAMES):
         return False, f"broker_transport is {transport!r}, not taskdedup's: {own}"
     if ours is None:
         return False, f"the broker is not Redis ({scheme or 'no URL'}://): {own}"
@@ -194,6 +194,8 @@ def _fetch_transport(scheme: str) -> type[RedisTransport] | type[SentinelTranspo
 
 
 _TRANSPORT_NAMES = {RedisTransport: TRANSPORT, SentinelTransport: SENTINEL_TRANSPORT}
+_KOMBU_NAMES = ("redis", "rediss", "sentinel")
+"""kombu's own names for its Redis transports: replaced by taskdedup's like no name at all."""
 
 
 def use_reliable_fetch(app: Celery, worker: str | None = None) -> bool:
@@ -208,7 +210,7 @@ def use_reliable_fetch(app: Celery, worker: str | None = None) -> bool:
     conf = app.conf
     url = conf.broker_read_url or conf.broker_url
     transport = _fetch_transport(str(url).split("://", 1)[0].lower())
-    if conf.broker_transport is None:
+    if conf.broker_transport is None or conf.broker_transport in _KOMBU_NAMES:
         rediss = _bare_rediss(app)
         conf.broker_transport = _TRANSPORT_NAMES[transport]  # type: ignore[index]
         if rediss:  # what kombu infers from a bare rediss:// for its own transport name
