@@ -9,11 +9,12 @@ ask :func:`busy_wait` and do the republish their own way.
 
 ``on_duplicate="coalesce"`` and ``debounce=``: a record beside the lock (the lock key is its
 hash tag: one slot), moved with the lock in one Lua call each (``stores/lua/coalesce.lua``,
-``follow_up.lua``, ``debounce.lua``, ``debounced.lua``): :func:`coalesce` and
-:func:`debounce` at the publish, :func:`claim` at the worker. A message carries its
-generation (:data:`GENERATION`, :data:`FOLLOW_UP`: a Celery header field, an RQ meta field),
-never an argument value in Redis; a worker recognises a superseded message by it alone, so a
-worker restarted without memory resurrects none. RedisStore only.
+``follow_up.lua``, ``debounce.lua``, ``debounced.lua``; ``undo.lua`` after a failed
+publish): :func:`coalesce` and :func:`debounce` at the publish, :func:`claim` at the
+worker. A message carries its generation (:data:`GENERATION`, :data:`FOLLOW_UP`: a Celery
+header field, an RQ meta field), never an argument value in Redis; a worker recognises a
+superseded message by it alone, so a worker restarted without memory resurrects none.
+RedisStore only.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from .stores.redis import _result as _lock_result
 __all__ = [
     "BUSY_TOLERANCE", "FOLLOW_UP", "GENERATION", "SUPERSEDED_MARK", "WAITING_SINCE", "Flow",
     "busy_wait", "claim", "coalesce", "coalesced", "debounce", "debounce_key", "follow_up_key",
-    "generation_of", "superseded_of", "superseded_value", "waiting_since",
+    "generation_of", "superseded_of", "superseded_value", "undo", "waiting_since",
 ]
 
 GENERATION: Final = "gen"
@@ -95,7 +96,7 @@ _LUA = files("taskdedup.stores").joinpath("lua")
 _PRELUDE = _LUA.joinpath("_lib.lua").read_text(encoding="utf-8")
 _SOURCES = {name: (_PRELUDE if name in ("coalesce", "follow_up", "debounced") else "")
             + _LUA.joinpath(f"{name}.lua").read_text(encoding="utf-8")
-            for name in ("coalesce", "follow_up", "debounce", "debounced")}
+            for name in ("coalesce", "follow_up", "debounce", "debounced", "undo")}
 assert "gate" in _LOCK_SCRIPTS["reserve"]  # the same prelude as the lock's own scripts
 
 _CODES = {1: Verdict.ACCEPTED, 7: Verdict.COALESCED, 8: Verdict.SUPERSEDED, 9: Verdict.WAITING}
@@ -283,3 +284,19 @@ def claim(
         return StartResult(Verdict.FINISHED, owner, state)
     dedup._emit(Event.SKIPPED, name, key, owner, holder, state.value if state else "?")
     return StartResult(Verdict.DUPLICATE, holder, state)
+
+
+def undo(dedup: Deduplicator, name: str, record: str, generation: int, *,
+         created: bool = False) -> None:
+    """Take back ``generation`` of ``record`` (:func:`follow_up_key` / :func:`debounce_key`)
+    after the call it was given to could not be published (one Lua call, only if nothing
+    moved it on since), so the follow-up's or the burst's earlier message is not superseded
+    by one that was never sent. ``created``: that call's id became the follow-up. Best
+    effort: never raises (the caller is raising the publish error)."""
+    if not generation:
+        return
+    try:
+        _run(dedup, name, "undo", [record], generation, "1" if created else "0")
+    except Exception as exc:  # the store is down too: the record expires with its ttl
+        logger.warning("taskdedup: %s: could not take back generation %d of %s after a failed "
+                       "publish: %s", name, generation, record, exc)

@@ -298,7 +298,8 @@ class DedupTask(Task):  # type: ignore[misc]
             follow = fused.result.owner or task_id
             flow.coalesced(dedup, self.name, identity.key, task_id, follow, fused.generation,
                            time.perf_counter() - started)
-            return self._publish_follow_up(follow, fused.generation, publish, headers)
+            return self._publish_follow_up(identity.key, task_id, follow, fused.generation,
+                                           publish, headers)
         result = dedup.verdict(self.name, identity, task_id, fused.result,
                                time.perf_counter() - started)
         self._note_outcome(result.verdict is Verdict.DUPLICATE)
@@ -320,13 +321,17 @@ class DedupTask(Task):  # type: ignore[misc]
         """``debounce=`` (SPEC §15): every call is published, with the generation the
         publish's Lua call gave it and its countdown (replacing any ``countdown``/``eta``);
         the worker runs only the burst's last (:func:`taskdedup.flow.claim`)."""
-        generation, delay = flow.debounce(get_deduplicator(self.app), self.name, policy,
-                                          identity.key)
+        dedup = get_deduplicator(self.app)
+        generation, delay = flow.debounce(dedup, self.name, policy, identity.key)
         if generation:
             headers[HEADER] = {**headers[HEADER], flow.GENERATION: generation}
         options.pop("eta", None)
         options["countdown"] = delay
-        return publish(task_id, headers)
+        try:
+            return publish(task_id, headers)
+        except BaseException:
+            flow.undo(dedup, self.name, flow.debounce_key(dedup, identity.key), generation)
+            raise
 
     def _publish_coalesced(
         self, policy: Policy, identity: Identity, task_id: str | None,
@@ -343,8 +348,8 @@ class DedupTask(Task):  # type: ignore[misc]
         answer = flow.coalesce(dedup, self.name, policy, identity, owner, ttl_ms, fresh=True)
         self._note_outcome(answer.verdict is Verdict.DUPLICATE)
         if answer.verdict is Verdict.COALESCED:
-            return self._publish_follow_up(answer.existing_id or owner, answer.generation,
-                                           publish, headers)
+            return self._publish_follow_up(identity.key, owner, answer.existing_id or owner,
+                                           answer.generation, publish, headers)
         if answer.verdict is Verdict.DUPLICATE:
             return self._on_duplicate(policy, identity.key, answer.existing_id, owner, task_id,
                                       publish, headers, None, None, options)
@@ -355,15 +360,21 @@ class DedupTask(Task):  # type: ignore[misc]
                 dedup.release(self.name, identity.key, owner, reason="publish_failed")
             raise
 
-    @staticmethod
     def _publish_follow_up(
-        follow: str, generation: int, publish: Callable[[str | None, dict[str, Any]], Any],
-        headers: dict[str, Any],
+        self, key: str, owner: str, follow: str, generation: int,
+        publish: Callable[[str | None, dict[str, Any]], Any], headers: dict[str, Any],
     ) -> Any:
-        """Publish this call as the newest message of follow-up ``follow`` (its id, this
-        call's arguments, the follow-up's ``generation``): kombu's own push."""
-        return publish(follow, {**headers, HEADER: {**headers[HEADER],
-                                                    flow.FOLLOW_UP: generation}})
+        """Publish this call (``owner``) as the newest message of follow-up ``follow`` (its
+        id, this call's arguments, the follow-up's ``generation``): kombu's own push. A
+        failed publish takes the generation back before the error reaches the caller."""
+        try:
+            return publish(follow, {**headers, HEADER: {**headers[HEADER],
+                                                        flow.FOLLOW_UP: generation}})
+        except BaseException:
+            dedup = get_deduplicator(self.app)
+            flow.undo(dedup, self.name, flow.follow_up_key(dedup, key), generation,
+                      created=follow == owner)
+            raise
 
     def _note_outcome(self, duplicate: bool) -> None:
         """Track this task's recent duplicate rate (an exponential moving average).

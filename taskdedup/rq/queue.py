@@ -308,22 +308,36 @@ class DedupQueue(Queue):
         trip: RQ's own schedule); the worker runs only the burst's last call."""
         generation, delay = flow.debounce(self.dedup, name, policy, identity.key)
         _flow_meta(job, flow.GENERATION, generation)
-        if delay <= 0:
-            return self.enqueue_job(job, at_front=at_front)
-        if at_front:
-            job.enqueue_at_front = True
-        return self.schedule_job(job, now() + timedelta(seconds=delay))
+        try:
+            if delay <= 0:
+                return self.enqueue_job(job, at_front=at_front)
+            if at_front:
+                job.enqueue_at_front = True
+            # RQ's scheduled registry keeps whole seconds (truncated): round up, never early
+            when = now() + timedelta(seconds=delay)
+            if when.microsecond:
+                when = when.replace(microsecond=0) + timedelta(seconds=1)
+            return self.schedule_job(job, when)
+        except BaseException:  # take the generation back before the error reaches the caller
+            flow.undo(self.dedup, name, flow.debounce_key(self.dedup, identity.key), generation)
+            raise
 
     def _follow_up(
-        self, follow: str, generation: int, job: Job, create: Mapping[str, Any],
-        at_front: bool,
+        self, name: str, key: str, follow: str, generation: int, job: Job,
+        create: Mapping[str, Any], at_front: bool,
     ) -> Job:
         """Write this call as the follow-up job ``follow`` (its data with this call's
         arguments, its meta with the follow-up's generation) and queue its id."""
-        if follow != job.id:
+        owner = job.id
+        if follow != owner:
             job = self.create_job(**{**create, "job_id": follow})
         _flow_meta(job, flow.FOLLOW_UP, generation)
-        return self.enqueue_job(job, at_front=at_front)
+        try:
+            return self.enqueue_job(job, at_front=at_front)
+        except BaseException:  # take the generation back before the error reaches the caller
+            flow.undo(self.dedup, name, flow.follow_up_key(self.dedup, key), generation,
+                      created=follow == owner)
+            raise
 
     def _enqueue_coalesced(
         self, job: Job, name: str, policy: Policy, identity: Identity,
@@ -338,8 +352,8 @@ class DedupQueue(Queue):
         ttl_ms = self._reservation_ttl_ms(policy, None, params.get("ttl"))
         answer = flow.coalesce(self.dedup, name, policy, identity, owner, ttl_ms)
         if answer.verdict is Verdict.COALESCED:
-            return self._follow_up(answer.existing_id or owner, answer.generation, job,
-                                   create, at_front)
+            return self._follow_up(name, identity.key, answer.existing_id or owner,
+                                   answer.generation, job, create, at_front)
         if answer.verdict is Verdict.DUPLICATE:
             return self._on_duplicate(policy, name, identity.key, answer.existing_id, params)
         try:
@@ -411,7 +425,8 @@ class DedupQueue(Queue):
                 follow, generation = lock.owner or owner, int(peeked[0])
                 flow.coalesced(self.dedup, name, identity.key, owner, follow, generation,
                                time.perf_counter() - started)
-                return self._follow_up(follow, generation, job, *follow_up)
+                return self._follow_up(name, identity.key, follow, generation, job,
+                                       *follow_up)
             result = self.dedup.verdict(name, identity, owner, lock,
                                         time.perf_counter() - started)
             if result.verdict is Verdict.REPLACED and result.existing_id:
