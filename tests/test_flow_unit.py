@@ -430,3 +430,74 @@ def test_prometheus_and_stats_count_coalesced_and_superseded(dedup: Deduplicator
 
     assert answered("coalesced") == 1.0 and answered("superseded") == 1.0
     assert ("duplicate:coalesced", 1) in fields and ("skipped:superseded", 1) in fields
+
+
+# -- a publish that fails takes its generation back ---------------------------------------------
+
+
+def test_undo_takes_back_only_the_generation_still_current(dedup: Deduplicator) -> None:
+    from taskdedup.flow import undo
+
+    key = ident(dedup).key
+    policy = Policy(debounce=Debounce(5))
+    record = debounce_key(dedup, key)
+    client = dedup.store.client  # type: ignore[attr-defined]
+    debounce(dedup, "t", policy, key)
+    debounce(dedup, "t", policy, key)
+    undo(dedup, "t", record, 2)  # the second call's publish failed: the first is current again
+    assert client.get(record).startswith(b"1|")
+    assert claim(dedup, "t", policy, key, "a", generation=1,
+                 follow_up=False).verdict is Verdict.ACCEPTED
+    debounce(dedup, "t", policy, key)  # 2
+    debounce(dedup, "t", policy, key)  # 3
+    undo(dedup, "t", record, 2)  # moved on since: nothing taken back
+    assert client.get(record).startswith(b"3|")
+    # coalesce: a failed creator leaves no follow-up waiting; a failed joiner hands back
+    identity = ident(dedup)
+    follow = follow_up_key(dedup, identity.key)
+    coalesce(dedup, "t", COALESCE, identity, "a", 60_000)
+    dedup.start("t", COALESCE, identity.key, "a")
+    coalesce(dedup, "t", COALESCE, identity, "f", 60_000)
+    coalesce(dedup, "t", COALESCE, identity, "g", 60_000)
+    undo(dedup, "t", follow, 2)
+    assert client.get(follow) == b"1|f"
+    undo(dedup, "t", follow, 1, created=True)
+    assert client.get(follow) is None
+    again = coalesce(dedup, "t", COALESCE, identity, "h", 60_000)
+    assert (again.existing_id, again.generation) == ("h", 1)
+
+
+def test_a_celery_publish_that_fails_takes_its_generation_back(
+    redis_url: str, rc: redis.Redis, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The broker refuses the debounced call's message: the caller gets the error, and the
+    burst's earlier call is current again (it runs instead of being superseded by nothing)."""
+    from celery import Celery
+    from celery.app.task import Task
+
+    from taskdedup.celery import DedupTask, get_deduplicator
+
+    app = Celery("flow-undo", broker=redis_url, set_as_current=False)
+    app.conf.update(task_default_queue=f"flow-unit-{uuid.uuid4().hex[:8]}",
+                    task_ignore_result=True)
+
+    @app.task(base=DedupTask, dedup=Policy(include=["label"], debounce=Debounce(30)),
+              shared=False, name="flow.unit.bounced")
+    def bounced(label: str, n: int) -> int:
+        return n
+
+    name = uuid.uuid4().hex
+    bounced.delay(name, 0)
+    dedup = get_deduplicator(app)
+    policy = bounced._dedup_policy
+    assert policy is not None
+    key = dedup.identity(bounced.name, policy, (name, 0), {}, func=bounced.run).key
+
+    def refuse(*_args: object, **_kwargs: object) -> None:
+        raise ConnectionError("the broker refused it")
+
+    monkeypatch.setattr(Task, "apply_async", refuse)
+    with pytest.raises(ConnectionError):
+        bounced.delay(name, 1)
+    assert rc.get(debounce_key(dedup, key)).startswith(b"1|")
+    rc.delete(app.conf.task_default_queue)
