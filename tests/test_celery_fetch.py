@@ -460,3 +460,27 @@ def test_a_kombu_that_moved_what_the_fetch_relies_on_keeps_kombus_fetch(
     app = fresh_app("redis://h:1/0", taskdedup_reliable_fetch=True)
     assert not use_reliable_fetch(app) and app.conf.broker_transport is None
     assert "_brpop_read is not a method: the worker keeps kombu's fetch" in caplog.text
+
+
+def test_an_app_on_the_reliable_fetch_is_not_warned_about_countdowns_beyond_the_visibility(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """kombu hands out a copy of a held countdown every visibility_timeout; the reliable fetch
+    never does, so a countdown beyond it is not worth a WARNING (nor a shorter wait for a
+    copy, see taskdedup.core.copy_wait)."""
+    from taskdedup import Policy
+    from taskdedup.celery import DedupTask
+    from taskdedup.celery.config import visibility_timeout
+    from taskdedup.celery.task import _reservation_ttl_ms
+
+    options = {"broker_transport_options": {"visibility_timeout": 60}}
+    assert visibility_timeout(fresh_app("redis://h:1/0", **options)) == 60
+    assert visibility_timeout(fresh_app("redis://h:1/0", taskdedup_reliable_fetch=True,
+                                        **options)) is None
+    app = fresh_app("redis://h:1/0", taskdedup_reliable_fetch=True, **options)
+
+    @app.task(name="far.away", base=DedupTask, dedup=Policy(ttl=10), shared=False)
+    def far_away() -> None: ...
+
+    _reservation_ttl_ms(far_away._dedup_policy, {"countdown": 3600}, far_away)
+    assert "visibility_timeout" not in caplog.text

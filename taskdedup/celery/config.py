@@ -267,15 +267,18 @@ _RESTORING_SCHEMES = ("redis", "rediss", "sentinel", "valkey", "valkeys", "sqs")
 def visibility_timeout(app: Celery) -> float | None:
     """Seconds after which ``app``'s broker hands an unacked message out again (kombu's
     Redis and SQS transports: ``broker_transport_options['visibility_timeout']``), or None
-    for a broker that redelivers only when a consumer's connection closes (RabbitMQ).
-    Read once per app."""
+    for a broker that redelivers only when its holder is gone: RabbitMQ (when a consumer's
+    connection closes), Redis with ``taskdedup_reliable_fetch`` (when a worker's lease
+    lapses; workers not yet upgraded still restore by time). Read once per app."""
     cached: tuple[float | None] | None = app.__dict__.get("_taskdedup_visibility")
     if cached is None:
         url = app.conf.broker_url
         scheme = url.split("://", 1)[0].lower() if isinstance(url, str) else ""
         seconds: float | None = None
         transport = app.conf.broker_transport
-        if scheme in _RESTORING_SCHEMES or transport is RedisTransport or transport == TRANSPORT:
+        reliable = app.conf.get("taskdedup_reliable_fetch") and _fetch_transport(scheme)
+        if not reliable and (scheme in _RESTORING_SCHEMES or transport is RedisTransport
+                             or transport == TRANSPORT):
             options = app.conf.broker_transport_options or {}
             seconds = float(options.get("visibility_timeout") or KOMBU_VISIBILITY_TIMEOUT)
         cached = app.__dict__["_taskdedup_visibility"] = (seconds,)
