@@ -1,7 +1,7 @@
-"""Debounce across a warm restart of a real Celery prefork worker (SPEC §15, issue #22 part
-3): no revoke is sent, so the worker that comes back — with nothing in memory — gets the
-burst's held countdown messages back from the broker and must tell the superseded ones by
-their generation alone."""
+"""Debounce and coalesce across a warm restart of a real Celery prefork worker (SPEC §15,
+issue #22 parts 2-3): no revoke is sent, so the worker that comes back — with nothing in
+memory — gets the held countdown messages (a burst's calls, a follow-up's put-off messages)
+back from the broker and must tell the superseded ones by their generation alone."""
 
 from __future__ import annotations
 
@@ -62,3 +62,35 @@ def test_a_warm_restarted_worker_resurrects_no_superseded_call(
         assert recorded(rc, name) == ["start3", "end3"]
     finally:
         own.kill()
+
+
+def test_a_warm_restart_runs_a_follow_up_once_with_the_latest_arguments(
+    capp: Any, rc: redis.Redis, redis_url: str
+) -> None:
+    """The original runs on a worker of its own (held by its gate); three duplicates make
+    one follow-up, whose messages (generations 1-3, one id) another worker puts off while
+    the original runs. That worker is stopped (kombu restores the held messages) and started
+    again, with nothing in memory; then the original ends: the follow-up runs once, with the
+    latest argument; the older messages end without running."""
+    name = label()
+    holder_queue = f"{QUEUE}-holder"
+    holder = FlowWorker(redis_url, queue=holder_queue, concurrency=1).start()
+    own = FlowWorker(redis_url, queue=QUEUE, concurrency=2).start()
+    try:
+        first = capp.coalesced.apply_async((name, 0, name), queue=holder_queue)
+        wait_for(lambda: "start0" in recorded(rc, name), timeout=30, what="the original runs")
+        later = [capp.coalesced.apply_async((name, n), queue=QUEUE) for n in (1, 2, 3)]
+        assert len({h.id for h in later}) == 1
+        wait_for(lambda: own.output()[own.log_start:].count("] received") >= 4, timeout=20,
+                 interval=0.1, what="the worker holds the follow-up's put-off messages")
+        own.stop()
+        own.start()
+        rc.set(f"go:{name}", 1)
+        assert first.get(timeout=30) == 0
+        assert later[0].get(timeout=30) == 3
+        wait_for(lambda: rc.llen(QUEUE) == 0 and rc.hlen("unacked") == 0, timeout=30,
+                 interval=0.1, what="the workers settle")
+        assert recorded(rc, name) == ["start0", "end0", "start3", "end3"]
+    finally:
+        own.kill()
+        holder.kill()
