@@ -186,7 +186,8 @@ class Fetcher:
 
     def remove(self, held: Held) -> None:
         """Acked (or consumed without ack): out of the processing list."""
-        self.client().lrem(self.list_key(held.source), -1, held.raw)  # type: ignore[arg-type]
+        # from the head, where the latest taken are: an ETA held for long sits further in
+        self.client().lrem(self.list_key(held.source), 1, held.raw)  # type: ignore[arg-type]
 
     def requeue(self, held: Sequence[Held]) -> int:
         """Put ``held`` (in the order they were taken) back at the head of their sources, the
@@ -263,8 +264,9 @@ def requeue_orphans(client: redis.Redis, prefix: str, alive: Iterable[str] = ())
     workers never requeue one twice); then the owner leaves the registry. ``alive``: owners of
     this process (renewed just before). Returns the number of messages put back."""
     owners_key = processing.owners_key(prefix)
+    ours = set(alive)
     owners = [_text(owner) for owner in client.hkeys(owners_key)]
-    owners = [owner for owner in owners if owner not in set(alive)]
+    owners = [owner for owner in owners if owner not in ours]
     if not owners:
         return 0
     pipe = client.pipeline(transaction=False)
@@ -306,9 +308,7 @@ def _requeue_owner(client: redis.Redis, script: Script, prefix: str, owner: str)
             done = _requeue(script, list_key, source, lease_key, raws, check_lease=True)
             if done < 0:
                 return done
-            moved += done
-            if done == 0:  # another worker took these: what is left is read again
-                continue
+            moved += done  # 0: another worker took these; what is left is read again
     return moved
 
 

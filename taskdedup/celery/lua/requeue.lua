@@ -7,9 +7,9 @@
 -- KEYS[3]  the owner's lease
 -- ARGV[1]  '1': only if the owner's lease has lapsed (a live worker requeues an orphan's
 --          messages); '0': the owner itself
--- ARGV[2], ARGV[3], ...  pairs: the message as held (removed with LREM), then the message to
---          push (kombu's restore marks it redelivered). Pairs come newest first: the oldest is
---          pushed last, to the right, where kombu pops next.
+-- ARGV[2], ARGV[3], ...  pairs: the message as held (removed with LREM from the head, where the
+--          newest are), then the message to push (kombu's restore marks it redelivered). Pairs
+--          come newest first: the oldest is pushed last, to the right, where kombu pops next.
 --
 -- Returns the number of messages moved, or -1: the owner's lease is alive, nothing was moved.
 
@@ -18,7 +18,7 @@ if ARGV[1] == '1' and redis.call('EXISTS', KEYS[3]) == 1 then
 end
 local moved = 0
 for i = 2, #ARGV - 1, 2 do
-  if redis.call('LREM', KEYS[1], -1, ARGV[i]) > 0 then
+  if redis.call('LREM', KEYS[1], 1, ARGV[i]) > 0 then
     redis.call('RPUSH', KEYS[2], ARGV[i + 1])
     moved = moved + 1
   end
