@@ -51,6 +51,8 @@ app.conf.update(
     _SETTINGS,
     ONCE={"backend": "celery_once.backends.Redis", "settings": {"default_timeout": 600}},
     singleton_lock_expiry=600,
+    # a worker started with TASKDEDUP_BENCH_FETCH=reliable consumes through the reliable fetch
+    taskdedup_reliable_fetch=os.environ.get("TASKDEDUP_BENCH_FETCH") == "reliable",
 )
 fused_app = Celery("bench-fused")
 """The same settings with taskdedup's ``RedisTransport``: reserve and LPUSH in one script."""

@@ -124,7 +124,8 @@ def _run(url: str, sizes: Sizes, sections: list[str], args: argparse.Namespace,
         return found
 
     section("breakdown", breakdown)
-    section("workers", lambda: workers.celery_workers(ctx) + workers.rq_workers(ctx))
+    section("workers", lambda: workers.celery_workers(ctx) + workers.celery_fetch(ctx)
+            + workers.rq_workers(ctx))
     section("bulk", lambda: micro.bulk(ctx))
     # --quick: Valkey only (the Redis 6.2 path is the same code with another binary)
     section("memory", lambda: memory(ctx, redis62=not (args.no_redis62 or args.quick)))

@@ -175,6 +175,14 @@ def bars(rows: list[Row], memory_keys: int) -> list[Bar]:
     for row in workers:
         ratio_bar(f"End-to-end {row.section}: {row.name} vs plain", row)
 
+    for row in rows:  # SPEC §17: the reliable fetch consumes within 5 % of kombu's fetch
+        if row.section.startswith("celery fetch") and row.baseline is not None:
+            out.append(Bar(f"Consuming throughput, {row.section}: the reliable fetch vs kombu's",
+                           "≥ 0.95x kombu's fetch",
+                           "not measured" if row.ratio is None else
+                           f"{row.ratio:.2f}x{_spread(row)} ({row.value:,.0f} {row.unit})",
+                           None if row.ratio is None else row.ratio >= 0.95))
+
     for row in _find_prefix(rows, "bulk", "RedisStore.reserve_many"):
         out.append(Bar("Bulk reserve_many on one core", "≥ 50,000 identities/s",
                        f"{row.value:,.0f} identities/s", row.value >= 50_000))

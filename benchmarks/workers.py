@@ -1,4 +1,5 @@
-"""End-to-end worker throughput: N tasks pre-published, then drained; plain vs gated.
+"""End-to-end worker throughput: N tasks pre-published, then drained; plain vs gated, and
+kombu's fetch vs taskdedup's reliable fetch (SPEC §17).
 
 Celery (prefork -c 2 and solo): one worker per pool stays up for all runs and consumes
 ``bench-live-<pool>``. A batch is published to ``bench-stage`` (no consumer, not timed),
@@ -34,7 +35,7 @@ from . import apps, jobs
 from .harness import Row, command_calls, command_delta, interleaved
 from .micro import Context
 
-__all__ = ["celery_workers", "rq_workers"]
+__all__ = ["celery_fetch", "celery_workers", "rq_workers"]
 
 ROOT = Path(__file__).resolve().parent.parent
 STAGE, LIVE = "bench-stage", "bench-live"
@@ -64,21 +65,23 @@ def _rate(t0: float, t1: float, total: int) -> float:
 
 
 class _CeleryWorker:
-    """``celery worker`` consuming ``bench-live-<pool>``, in its own process group."""
+    """``celery worker`` consuming ``bench-live-<pool>``, in its own process group;
+    ``fetch="reliable"``: ``bench-live-<pool>-reliable`` through the reliable fetch."""
 
-    def __init__(self, ctx: Context, pool: str, concurrency: int) -> None:
-        self.queue = f"{LIVE}-{pool}"
+    def __init__(self, ctx: Context, pool: str, concurrency: int, fetch: str = "kombu") -> None:
+        self.queue = f"{LIVE}-{pool}" + ("-reliable" if fetch == "reliable" else "")
         self.log = Path(tempfile.mkstemp(prefix=f"bench-celery-{pool}-", suffix=".log")[1])
         cmd = [
             sys.executable, "-m", "celery", "-A", "benchmarks.apps", "worker",
             "-P", pool, "-c", str(concurrency), "-Q", self.queue,
-            "-n", f"bench-{pool}-{os.getpid()}@%h",
+            "-n", f"bench-{pool}-{fetch}-{os.getpid()}@%h",
             "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "WARNING",
         ]
         with open(self.log, "ab") as out:
             self.process = subprocess.Popen(
-                cmd, cwd=ROOT, env=_env(ctx.url), stdout=out, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True,
+                cmd, cwd=ROOT, env={**_env(ctx.url), "TASKDEDUP_BENCH_FETCH": fetch},
+                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True,
             )
 
     def alive(self) -> None:
@@ -165,6 +168,66 @@ def _celery_rows(pool: str, total: int, tasks: dict[str, Any], samples: dict[str
             note=f"{total:,} tasks per run; round trips = taskdedup EVALSHA per task",
         ))
     return rows
+
+
+FETCH_SECTION = "celery fetch"
+"""The rows of :func:`celery_fetch`: ``celery fetch (prefork -c 2)``, ``celery fetch (solo)``."""
+_FETCHES = {"kombu's fetch (BRPOP)": "kombu", "taskdedup reliable fetch": "reliable"}
+
+
+def celery_fetch(ctx: Context) -> list[Row]:
+    """Consuming throughput, kombu's fetch vs the reliable fetch (SPEC §17: within 5 %), side
+    by side: per pool (prefork -c 2, solo) one worker of each stays up, and batches of the
+    plain task alternate between them within each run."""
+    sizes = ctx.sizes
+    total = sizes.celery_tasks
+    rows: list[Row] = []
+    workers = {(pool, fetch): _CeleryWorker(ctx, pool, concurrency, fetch)
+               for pool, concurrency in (("prefork", 2), ("solo", 1))
+               for fetch in _FETCHES.values()}
+    try:
+        for pool in ("prefork", "solo"):
+            timeout = 120 + total / 20
+            for fetch in _FETCHES.values() if sizes.warmup else ():  # start-up: untimed
+                _celery_batch(ctx, workers[pool, fetch], apps.charge_plain,
+                              max(2, min(total, 20)), timeout)
+            commands: dict[str, dict[str, float]] = {}
+
+            def variant(label: str, worker: _CeleryWorker,
+                        commands: dict[str, dict[str, float]] = commands,
+                        timeout: float = timeout) -> Callable[[int], float]:
+                def one(run: int) -> float:
+                    sample, commands[label] = _celery_batch(ctx, worker, apps.charge_plain,
+                                                            total, timeout)
+                    return sample
+
+                return one
+
+            baseline = next(iter(_FETCHES))
+            samples, ratios = interleaved(
+                {label: variant(label, workers[pool, fetch]) for label, fetch in _FETCHES.items()},
+                sizes.celery_runs, baseline=baseline,
+            )
+            for label in _FETCHES:
+                cmds = commands[label]
+                rows.append(Row(
+                    f"{FETCH_SECTION} ({pool}{' -c 2' if pool == 'prefork' else ''})",
+                    label, "tasks/s", samples[label],
+                    baseline=None if label == baseline else baseline,
+                    ratios=ratios.get(label), commands=cmds,
+                    round_trips=sum(cmds.get(name, 0.0) for name in _FETCH_COMMANDS),
+                    note=f"{total:,} plain tasks per run; round trips = fetch and ack per task "
+                         "(kombu: BRPOP, its unacked write and its ack, each a MULTI; reliable: "
+                         "EVALSHA or BLMOVE, then LREM)",
+                ))
+    finally:
+        for worker in workers.values():
+            worker.stop()
+    ctx.client.delete(STAGE, *(worker.queue for worker in workers.values()))
+    return rows
+
+
+_FETCH_COMMANDS = ("brpop", "multi", "evalsha", "eval", "blmove", "lrem")
 
 
 # -- RQ --------------------------------------------------------------------------------------

@@ -204,7 +204,7 @@ def test_benchmark_suite_runs_quick(redis_url: str, tmp_path: Path) -> None:
         "floor", "identity", "celery publish", "rq enqueue",
         "gated Celery publish, gate in its own round trip, per call",
         "gated Celery publish, reserve inside the push", "gated RQ enqueue", "celery worker",
-        "rq worker", "bulk", "memory",
+        "celery fetch", "rq worker", "bulk", "memory",
     } <= sections
     assert data["bars"] and data["machine"]["nproc"]
     gated = [r for r in data["rows"] if r["section"] == "celery publish (distinct)"
