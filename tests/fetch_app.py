@@ -44,6 +44,7 @@ app.conf.update(
     taskdedup_stats=False,
     taskdedup_reliable_fetch=FETCH == "reliable",
     taskdedup_fetch_lease=LEASE,
+    worker_send_task_events=True,
     broker_transport_options={
         "visibility_timeout": VISIBILITY,
         "unacked_restore_interval": 1,
@@ -85,6 +86,31 @@ def requeue_once(self: Any, label: str) -> str:
         raise Reject("not yet", requeue=True)
     r().rpush(f"fetch:ran:{label}", os.getpid())
     return label
+
+
+@app.task(bind=True, max_retries=3)
+def retry_once(self: Any, label: str) -> str:
+    """Asks for a retry (a new message, the old one acked) on its first run."""
+    r().rpush(f"fetch:ran:{label}", os.getpid())
+    if r().incr(f"fetch:attempts:{label}") == 1:
+        raise self.retry(countdown=0.5)
+    return label
+
+
+@app.task
+def lost_once(label: str) -> str:
+    """Waits to be SIGKILLed on its first run (its pool process: reject_on_worker_lost)."""
+    r().rpush(f"fetch:ran:{label}", os.getpid())
+    if r().incr(f"fetch:attempts:{label}") == 1:
+        time.sleep(60)
+    return label
+
+
+@app.task(acks_on_failure_or_timeout=False)
+def fails(label: str) -> None:
+    """Fails: its message is rejected without requeue, never acked."""
+    r().rpush(f"fetch:ran:{label}", os.getpid())
+    raise RuntimeError(label)
 
 
 @app.task(base=DedupTask, dedup=Policy(mode="until_executed", ttl=60, lease=20))

@@ -10,7 +10,10 @@ its lease. Aimed kills: tests/test_celery_fetch_kills.py.
 
 from __future__ import annotations
 
+import os
 import random
+import signal
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -74,6 +77,50 @@ def test_a_worker_on_the_reliable_fetch_runs_every_task_once_and_holds_nothing_a
     finally:
         worker.stop()
     assert owners_of(rc, worker) == []  # a warm shutdown leaves the registry
+
+
+def test_what_kombus_fetch_does_keeps_working_on_the_reliable_fetch(
+    fapp: Any, rc: redis.Redis, redis_url: str
+) -> None:
+    """A retry, a pool process SIGKILLed mid-task (reject_on_worker_lost requeues: it runs
+    again), a failure under acks_on_failure_or_timeout=False (rejected, gone), a broadcast
+    (control ping) and the worker's task events, on a prefork worker on the reliable fetch."""
+    from celery.events import EventReceiver
+
+    queue = name("kombu")
+    worker = FetchWorker(redis_url, queue=queue, pool="prefork", concurrency=2).start()
+    try:
+        retried = fapp.retry_once.apply_async((name("r"),), queue=queue)
+        assert retried.get(timeout=30) and ran(rc, retried.result) == 2
+        lost = name("l")
+        handle = fapp.lost_once.apply_async((lost,), queue=queue)
+        wait_for(lambda: ran(rc, lost) == 1, timeout=20, what="the first run started")
+        (pid,) = rc.lrange(f"fetch:ran:{lost}", 0, -1)
+        os.kill(int(pid), signal.SIGKILL)  # the pool process, not the worker
+        assert handle.get(timeout=30) == lost and ran(rc, lost) == 2
+        failing = name("f")
+        failed = fapp.fails.apply_async((failing,), queue=queue)
+        with pytest.raises(RuntimeError):
+            failed.get(timeout=30)
+        wait_for(lambda: held(rc) == 0, timeout=10, what="every message acked or rejected")
+        assert ran(rc, failing) == 1 and rc.llen(queue) == 0 and unacked(rc) == 0
+        replies = fapp.app.control.ping(timeout=5)
+        assert any(queue in node for reply in replies for node in reply), replies
+        seen: list[str] = []
+        with fapp.app.connection_for_read() as conn:
+            receiver = EventReceiver(conn, handlers={
+                "task-succeeded": lambda event: seen.append(event["uuid"])}, app=fapp.app)
+            patterns = int(rc.execute_command("PUBSUB", "NUMPAT"))
+            listening = threading.Thread(target=receiver.capture, kwargs={
+                "limit": None, "timeout": 20, "wakeup": False}, daemon=True)
+            listening.start()
+            wait_for(lambda: int(rc.execute_command("PUBSUB", "NUMPAT")) > patterns,
+                     timeout=10, what="the event receiver subscribed")
+            done = fapp.work.apply_async((name("e"),), queue=queue)
+            wait_for(lambda: done.id in seen, timeout=20, what="the task-succeeded event")
+            receiver.should_stop = True
+    finally:
+        worker.stop()
 
 
 def test_workers_with_and_without_the_reliable_fetch_share_a_queue(
