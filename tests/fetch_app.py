@@ -32,7 +32,10 @@ FETCH = os.environ.get("TASKDEDUP_TEST_FETCH", "reliable")
 VISIBILITY = float(os.environ.get("TASKDEDUP_TEST_VISIBILITY", "3600"))
 LEASE = float(os.environ.get("TASKDEDUP_TEST_FETCH_LEASE", "3"))
 
-app = Celery("fetch", broker=URL, backend=URL)
+# TASKDEDUP_TEST_BROKER_URL: a worker's broker of its own (rediss://, sentinel://), the results
+# and the bodies' records staying on TASKDEDUP_TEST_REDIS_URL
+BROKER = os.environ.get("TASKDEDUP_TEST_BROKER_URL") or URL
+app = Celery("fetch", broker=BROKER, backend=URL)
 app.conf.update(
     task_default_queue=os.environ.get("TASKDEDUP_TEST_QUEUE", "fetch"),
     broker_connection_retry_on_startup=True,
@@ -49,6 +52,8 @@ app.conf.update(
         "visibility_timeout": VISIBILITY,
         "unacked_restore_interval": 1,
         "unacked_restore_throttle": 1,
+        **({"master_name": os.environ["TASKDEDUP_TEST_MASTER_NAME"]}
+           if os.environ.get("TASKDEDUP_TEST_MASTER_NAME") else {}),
     },
 )
 

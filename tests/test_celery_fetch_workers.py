@@ -10,13 +10,16 @@ its lease. Aimed kills: tests/test_celery_fetch_kills.py.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
+import ssl
 import threading
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -285,3 +288,52 @@ def _no_leftovers(rc: redis.Redis) -> Iterator[None]:
     for holder in processing.holders(rc, PREFIX):
         if holder.orphan:
             rc.hdel(processing.owners_key(PREFIX), holder.owner)
+
+
+@pytest.mark.parametrize("broker", ["rediss", "sentinel"])
+def test_a_worker_on_a_tls_or_sentinel_broker_uses_the_reliable_fetch(
+    fapp: Any, rc: redis.Redis, redis_url: str, tmp_path: Path, broker: str
+) -> None:
+    """``rediss://`` (through a TLS terminator, bare: kombu's TLS default kept) and
+    ``sentinel://`` (a sentinel watching the test server): the worker consumes through
+    taskdedup's transport, its processing list is in the registry, every task runs once."""
+    from tests.proxy import Proxy
+    from tests.test_topologies import SentinelProcess
+    from tests.tls import self_signed_certificate
+
+    if broker == "sentinel" and not _sentinel_reads_push_requests():
+        pytest.skip("redis-py 5.0.0's SentinelManagedConnection.read_response takes no "
+                    "push_request: kombu's own Sentinel transport fails the same way")
+    queue = name(broker)
+    host, port = redis_url.split("://", 1)[1].split("/", 1)[0].rsplit(":", 1)
+    with contextlib.ExitStack() as stack:
+        if broker == "rediss":
+            cert, key = self_signed_certificate(tmp_path)
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            context.load_cert_chain(cert, key)
+            proxy = stack.enter_context(Proxy((host, int(port)), ssl_context=context))
+            env = {"TASKDEDUP_TEST_BROKER_URL": proxy.url}
+            transport = "taskdedup.celery:RedisTransport"
+        else:
+            sentinel = SentinelProcess(int(port))
+            stack.callback(sentinel.stop)
+            env = {"TASKDEDUP_TEST_BROKER_URL": f"sentinel://127.0.0.1:{sentinel.port}",
+                   "TASKDEDUP_TEST_MASTER_NAME": sentinel.service}
+            transport = "taskdedup.celery.transport:SentinelTransport"
+        worker = FetchWorker(redis_url, queue=queue, env=env).start()
+        stack.callback(worker.stop)
+        labels = [name("t") for _ in range(10)]
+        handles = [fapp.work.apply_async((label,), queue=queue) for label in labels]
+        assert [h.get(timeout=30) for h in handles] == labels
+        assert {ran(rc, label) for label in labels} == {1}
+        assert owners_of(rc, worker) and f".> transport:   {transport}" in worker.output()
+        assert "consumes through taskdedup's reliable fetch" in worker.output()
+
+
+def _sentinel_reads_push_requests() -> bool:
+    import inspect
+
+    from redis.sentinel import SentinelManagedConnection
+
+    params = inspect.signature(SentinelManagedConnection.read_response).parameters
+    return "push_request" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
