@@ -595,7 +595,10 @@ def skipped_value(existing_id: str | None, state: LockState | None) -> dict[str,
     "existing_id": ..., "state": ...}`` (the first key is for the eye; read it with
     ``skipped_info``)."""
     word = STATE_WORDS.get(state) if state else None
-    of = f"duplicate of {existing_id}" if existing_id else "duplicate of an earlier call"
+    # For the eye, and safe to write anywhere (RQ writes it into the job's description): an
+    # owner read from Redis that is not UTF-8 is shown escaped.
+    shown = existing_id.encode("utf-8", "backslashreplace").decode() if existing_id else None
+    of = f"duplicate of {shown}" if shown else "duplicate of an earlier call"
     return {SKIPPED_LEAD: f"{of} ({word})" if word else of, "taskdedup": SKIPPED_MARK,
             "existing_id": existing_id, "state": word}
 

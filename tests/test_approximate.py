@@ -117,7 +117,7 @@ class ServerClock:
         fake = f"local now = tonumber(redis.call('GET', '{self.KEY}'))"
         scripts = {}
         for name, source in redis_store.SCRIPTS.items():
-            assert source.count(self.TIME) == 1, "the window's clock reading moved"
+            assert source.count(self.TIME) >= 1, "the window's clock reading moved"
             scripts[name] = source.replace(self.TIME, fake)
         monkeypatch.setattr(redis_store, "SCRIPTS", scripts)
         monkeypatch.setattr(redis_store, "_ENQUEUE_SHA",
