@@ -274,6 +274,7 @@ class Driver:
             self.model.values[result.id] = n
         self.model.runs[("serial", key)] = 3
         self.model.serial.add(key)
+        self._ran("serial", key, 3)
 
     def coalesce(self, rng: random.Random) -> None:
         """SPEC §15: duplicates of a running call get one follow-up (a new id), which runs
@@ -294,6 +295,7 @@ class Driver:
             self.model.values[result.id] = n
         self.model.runs[("follow", key)] = 2
         self.model.serial.add(key)
+        self._ran("follow", key, 2)
 
     def debounce(self, rng: random.Random) -> None:
         """SPEC §15: a burst of debounced calls runs once, the last call's argument; the
@@ -307,6 +309,7 @@ class Driver:
             self.model.values[result.id] = (n if n == len(sent) - 1
                                             else superseded_value(n + 1))
         self.model.runs[("bounce", key)] = 1
+        self._ran("bounce", key, 1)
 
     def limited(self, rng: random.Random) -> None:
         """SPEC §16: calls of one limit key run one at a time, each once."""
@@ -346,6 +349,15 @@ class Driver:
             self.model.values[result.id] = n
         self.model.runs[("limited", key)] = runs
         self.model.limited.add(key)
+        self._ran("limited", key, runs)
+
+    def _ran(self, name: str, key: str, runs: int) -> None:
+        """Wait until the bodies the model expects have run. A call put off (waiting, a
+        follow-up, a limit, a countdown) ends its first delivery IGNORED, which ``settle``
+        counts as ended, and its republished message can sit in kombu's fetch window (popped,
+        not yet unacked: SPEC §17) just when ``settle`` looks at an empty queue."""
+        wait_for(lambda: self.runs(name, key) >= runs, timeout=60,
+                 what=f"{name}({key}) to run {runs} times")
 
     def chain_with_a_duplicate_step(self, rng: random.Random) -> str:
         key = self.key()
