@@ -160,7 +160,41 @@ def attach(dedup: Deduplicator, registry: Any = None) -> PrometheusListener:
     return listener
 
 
-class WindowCollector:
+class _ScrapeCollector:
+    """A Prometheus collector that reads Redis when scraped (never on the hot path). A scrape
+    that cannot reach Redis yields nothing (and is logged at WARNING) rather than failing the
+    whole scrape. Subclasses say what they read and which families it makes."""
+
+    what = ""  # for the warning: "could not read <what>"
+
+    def __init__(self, client: Any, prefix: str = "taskdedup") -> None:
+        self.client = client
+        self.prefix = prefix
+
+    def read(self) -> Any:
+        raise NotImplementedError
+
+    def families(self, core: Any, found: Any) -> list[Any]:
+        raise NotImplementedError
+
+    def collect(self) -> Any:
+        from .events import logger
+
+        core = importlib.import_module("prometheus_client.core")
+        try:
+            found = self.read()
+        except Exception as exc:
+            logger.warning("taskdedup: could not read %s: %s", self.what, exc)
+            return
+        yield from self.families(core, found)
+
+
+def _register(collector: _ScrapeCollector, registry: Any) -> None:
+    prometheus = _prometheus()
+    (prometheus.REGISTRY if registry is None else registry).register(collector)
+
+
+class WindowCollector(_ScrapeCollector):
     """A Prometheus collector of the approximate windows' quality signals, read from Redis
     when scraped (:func:`taskdedup.stats.read_windows`: SCAN and one read script per slice
     key, pipelined), so nothing is added to the hot path. A scrape that cannot reach Redis
@@ -171,20 +205,14 @@ class WindowCollector:
         prefix: the key prefix (``taskdedup`` unless configured).
     """
 
-    def __init__(self, client: Any, prefix: str = "taskdedup") -> None:
-        self.client = client
-        self.prefix = prefix
+    what = "the approximate windows"
 
-    def collect(self) -> Any:
-        from .events import logger
+    def read(self) -> Any:
         from .stats import read_windows
 
-        core = importlib.import_module("prometheus_client.core")
-        try:
-            windows = read_windows(self.client, self.prefix)
-        except Exception as exc:
-            logger.warning("taskdedup: could not read the approximate windows: %s", exc)
-            return
+        return read_windows(self.client, self.prefix)
+
+    def families(self, core: Any, found: Any) -> list[Any]:
         families = {
             "fill": core.GaugeMetricFamily(
                 "taskdedup_window_fill_ratio",
@@ -203,12 +231,12 @@ class WindowCollector:
                 "Slice periods rotated out of a task's approximate window (expired).",
                 labels=["task"]),
         }
-        for name, window in windows.items():
+        for name, window in found.items():
             families["fill"].add_metric([name], window.fill)
             families["fpr"].add_metric([name], window.false_positive_rate)
             families["identities"].add_metric([name], window.identities)
             families["dropped"].add_metric([name], window.slices_dropped)
-        yield from families.values()
+        return list(families.values())
 
 
 def attach_windows(client: Any, prefix: str = "taskdedup", registry: Any = None) -> WindowCollector:
@@ -217,31 +245,24 @@ def attach_windows(client: Any, prefix: str = "taskdedup", registry: Any = None)
     Raises:
         ImportError: ``prometheus_client`` is not installed (the message says what to run).
     """
-    prometheus = _prometheus()
     collector = WindowCollector(client, prefix)
-    (prometheus.REGISTRY if registry is None else registry).register(collector)
+    _register(collector, registry)
     return collector
 
 
-class LimitCollector:
+class LimitCollector(_ScrapeCollector):
     """A Prometheus collector of per-key limits (SPEC §16), read from Redis when scraped
     (:func:`taskdedup.limits.read_limits`): per task, never per key value, the slots in use
     and the calls waiting now. A scrape that cannot reach Redis yields nothing (WARNING)."""
 
-    def __init__(self, client: Any, prefix: str = "taskdedup") -> None:
-        self.client = client
-        self.prefix = prefix
+    what = "the limits"
 
-    def collect(self) -> Any:
-        from .events import logger
+    def read(self) -> Any:
         from .limits import read_limits
 
-        core = importlib.import_module("prometheus_client.core")
-        try:
-            found = read_limits(self.client, self.prefix)
-        except Exception as exc:
-            logger.warning("taskdedup: could not read the limits: %s", exc)
-            return
+        return read_limits(self.client, self.prefix)
+
+    def families(self, core: Any, found: Any) -> list[Any]:
         slots = core.GaugeMetricFamily(
             "taskdedup_limit_slots_in_use",
             "Concurrency slots held now by running bodies of a task (all its key values).",
@@ -253,8 +274,7 @@ class LimitCollector:
         for name, figures in found.items():
             slots.add_metric([name], figures.slots_in_use)
             waiting.add_metric([name], figures.waiting)
-        yield slots
-        yield waiting
+        return [slots, waiting]
 
 
 def attach_limits(client: Any, prefix: str = "taskdedup", registry: Any = None) -> LimitCollector:
@@ -264,7 +284,6 @@ def attach_limits(client: Any, prefix: str = "taskdedup", registry: Any = None) 
     Raises:
         ImportError: ``prometheus_client`` is not installed (the message says what to run).
     """
-    prometheus = _prometheus()
     collector = LimitCollector(client, prefix)
-    (prometheus.REGISTRY if registry is None else registry).register(collector)
+    _register(collector, registry)
     return collector
