@@ -396,13 +396,12 @@ def limit_delay(limit: Limit, wait_ms: int, waited: float, lease: float,
 
 
 def limited_since(value: Any) -> float | None:
-    """The carried start of a limit wait, when it is a plausible Unix time (else None)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    since = float(value)
-    if not math.isfinite(since) or since <= 0 or since > time.time() + 60:
-        return None
-    return since
+    """The carried start of a limit wait, when it is a plausible Unix time (else None): the
+    check of :func:`taskdedup.flow.waiting_since` (imported here, not at the top, so
+    ``import taskdedup`` does not load the second call's scripts)."""
+    from .flow import waiting_since
+
+    return waiting_since(value)
 
 
 def note_waiting(dedup: Deduplicator, task: str, call_id: str, delay: float | None) -> None:
