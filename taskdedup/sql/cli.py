@@ -7,6 +7,8 @@ bare ``postgresql://`` uses psycopg 3.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import click
@@ -49,6 +51,23 @@ def _fail(engine: Any, exc: Exception) -> click.ClickException:
     )
 
 
+@contextmanager
+def _database(url: str | None) -> Iterator[Any]:
+    """The engine of ``url`` for one command, disposed of at the end; a database error (or a
+    table that is not taskdedup's) becomes a one-line ClickException naming the URL."""
+    engine = _engine(url)
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from ..exceptions import ConfigurationError
+
+    try:
+        yield engine
+    except (SQLAlchemyError, ConfigurationError) as exc:
+        raise _fail(engine, exc) from None
+    finally:
+        engine.dispose()
+
+
 @click.group("sql")
 def sql() -> None:
     """The durable tier's table (taskdedup.sql): create it, prune expired rows."""
@@ -59,19 +78,11 @@ def sql() -> None:
 def init_command(url: str | None) -> None:
     """Create the taskdedup_effects and taskdedup_outbox tables and their indexes (does
     nothing if they exist)."""
-    engine = _engine(url)
-    from sqlalchemy.exc import SQLAlchemyError
+    with _database(url) as engine:
+        from .admin import create_tables
+        from .schema import OUTBOX_TABLE_NAME, TABLE_NAME
 
-    from ..exceptions import ConfigurationError
-    from .admin import create_tables
-    from .schema import OUTBOX_TABLE_NAME, TABLE_NAME
-
-    try:
         created = create_tables(engine)
-    except (SQLAlchemyError, ConfigurationError) as exc:
-        raise _fail(engine, exc) from None
-    finally:
-        engine.dispose()
     click.echo(f"created {', '.join(created)}" if created else
                f"{TABLE_NAME} and {OUTBOX_TABLE_NAME} exist: nothing to do")
 
@@ -82,16 +93,8 @@ def init_command(url: str | None) -> None:
               help="Rows deleted per transaction.")
 def prune_command(url: str | None, batch: int) -> None:
     """Delete the rows past their expiry, in batches of short transactions."""
-    engine = _engine(url)
-    from sqlalchemy.exc import SQLAlchemyError
+    with _database(url) as engine:
+        from .admin import prune
 
-    from ..exceptions import ConfigurationError
-    from .admin import prune
-
-    try:
         deleted = prune(engine, batch=batch)
-    except (SQLAlchemyError, ConfigurationError) as exc:
-        raise _fail(engine, exc) from None
-    finally:
-        engine.dispose()
     click.echo(f"deleted {deleted} expired row{'' if deleted == 1 else 's'}")

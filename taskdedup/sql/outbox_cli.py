@@ -17,19 +17,15 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 import threading
 from datetime import UTC, datetime
 from typing import Any
 
 import click
 
-from .cli import _engine, _fail
+from .cli import _URL_HELP, _database, _engine, _fail
 
 __all__ = ["outbox"]
-
-_URL_HELP = ("SQLAlchemy database URL, e.g. postgresql://user@host/db or sqlite:///app.db "
-             "(default: TASKDEDUP_SQL_URL).")
 
 
 @click.group("outbox")
@@ -39,19 +35,18 @@ def outbox() -> None:
 
 
 def _celery_app(name: str) -> Any:
+    """The Celery app of ``-A``, loaded as ``taskdedup key -A`` loads it."""
     try:
-        from celery.app.utils import find_app
+        from ..celery.load import load_app
     except ImportError:
         raise click.ClickException(
             "-A/--app needs Celery: pip install 'taskdedup[celery]'") from None
-    if os.getcwd() not in sys.path:  # as `celery -A` finds the app's module
-        sys.path.insert(0, os.getcwd())
+    from ..exceptions import ConfigurationError
+
     try:
-        app = find_app(name)
-    except Exception as exc:
-        raise click.ClickException(f"cannot load the Celery app {name!r}: {exc}") from None
-    app.loader.import_default_modules()  # the app's tasks (imports, include, autodiscover)
-    return app
+        return load_app(name)
+    except ConfigurationError as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 def _rq_connection(url: str) -> Any:
@@ -157,18 +152,10 @@ def _age(seconds: float) -> str:
 def status_command(url: str | None, as_json: bool) -> None:
     """The backlog per target (rows, the oldest row's age, failing rows, the last error);
     exit 0 whatever it holds, 1 when the database or the table cannot be read."""
-    engine = _engine(url)
-    from sqlalchemy.exc import SQLAlchemyError
+    with _database(url) as engine:
+        from .outbox import backlog
 
-    from ..exceptions import ConfigurationError
-    from .outbox import backlog
-
-    try:
         backlogs = backlog(engine)
-    except (SQLAlchemyError, ConfigurationError) as exc:
-        raise _fail(engine, exc) from None
-    finally:
-        engine.dispose()
     now = datetime.now(UTC)
     total = sum(b.rows for b in backlogs)
     ages = [max(0.0, (now - b.oldest).total_seconds()) for b in backlogs]
