@@ -16,6 +16,13 @@ from tests.effects import effect, r, wait_gate
 
 def run(label: str, n: int, gate: str = "") -> int:
     """One run of identity ``label``, held by gate ``gate`` when one is named."""
+    return body(label, n, gate, pause=0.1)
+
+
+def body(label: str, n: int, gate: str, pause: float) -> int:
+    """Record ``start<n>``, wait for gate ``gate`` (or ``pause`` seconds when none is named),
+    record ``end<n>``; ``overlap`` when another run of ``label`` is in progress. Shared with
+    :func:`tests.second_call_jobs.hold`."""
     if r().incr(f"busy:{label}") > 1:
         effect(label, "overlap")
     effect(label, f"start{n}")
@@ -23,7 +30,7 @@ def run(label: str, n: int, gate: str = "") -> int:
         if gate:
             wait_gate(gate)
         else:
-            time.sleep(0.1)
+            time.sleep(pause)
     finally:
         r().decr(f"busy:{label}")
     effect(label, f"end{n}")

@@ -7,22 +7,10 @@ identity in progress (``busy:<label>``): a second run beside the first records `
 
 from __future__ import annotations
 
-import time
-
-from tests.effects import effect, r, wait_gate
+from tests.flow_jobs import body
 
 
 def hold(label: str, n: int, gated: bool = False) -> int:
-    """One run of identity ``label``: recorded, checked alone, held by the gate when asked."""
-    if r().incr(f"busy:{label}") > 1:
-        effect(label, "overlap")
-    effect(label, f"start{n}")
-    try:
-        if gated:
-            wait_gate(label)
-        else:
-            time.sleep(0.2)
-    finally:
-        r().decr(f"busy:{label}")
-    effect(label, f"end{n}")
-    return n
+    """One run of identity ``label``: recorded, checked alone, held by the gate ``label`` when
+    asked."""
+    return body(label, n, label if gated else "", pause=0.2)

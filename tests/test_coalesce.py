@@ -7,7 +7,6 @@ window (``until_expired``); at most one running and one waiting per identity."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -17,6 +16,7 @@ from taskdedup import stats
 from taskdedup.stats import read_stats
 from taskdedup.testing import wait_for
 from tests.effects import recorded
+from tests.pairs import celery_pair
 from tests.workers import CeleryWorker
 
 pytestmark = pytest.mark.slow
@@ -28,24 +28,7 @@ class FlowWorker(CeleryWorker):
     app_module = "tests.flow_app"
 
 
-@pytest.fixture(scope="module")
-def workers(redis_url: str) -> Iterator[list[CeleryWorker]]:
-    started: list[CeleryWorker] = []
-    try:
-        for _ in range(2):
-            started.append(FlowWorker(redis_url, queue=QUEUE, concurrency=2).start())
-        yield started
-    finally:
-        for worker in started:
-            worker.kill()
-
-
-@pytest.fixture(scope="module")
-def capp(redis_url: str, workers: list[CeleryWorker]) -> Any:
-    from tests import flow_app
-
-    flow_app.configure(redis_url, QUEUE)
-    return flow_app
+workers, capp = celery_pair(FlowWorker, QUEUE)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
@@ -29,6 +28,7 @@ from taskdedup.stats import read_stats
 from taskdedup.testing import wait_for
 from tests import flow_jobs
 from tests.effects import recorded
+from tests.pairs import rq_pair
 from tests.workers import RqWorker
 
 pytestmark = pytest.mark.slow
@@ -40,16 +40,7 @@ def label() -> str:
     return uuid.uuid4().hex[:12]
 
 
-@pytest.fixture(scope="module")
-def workers(redis_url: str, rc: redis.Redis) -> Iterator[list[RqWorker]]:
-    started: list[RqWorker] = []
-    try:
-        for _ in range(2):
-            started.append(RqWorker(redis_url, [QUEUE], scheduler=True).start())
-        yield started
-    finally:
-        for worker in started:
-            worker.stop()
+workers = rq_pair(QUEUE)
 
 
 def superseded(rc: redis.Redis) -> int:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -26,6 +25,7 @@ from taskdedup.limits import read_limits
 from taskdedup.stats import read_stats
 from taskdedup.testing import wait_for
 from tests.limits_jobs import admitted, peak, runs, started
+from tests.pairs import celery_pair
 from tests.workers import CeleryWorker
 
 pytestmark = pytest.mark.slow
@@ -37,24 +37,7 @@ class LimitsWorker(CeleryWorker):
     app_module = "tests.limits_app"
 
 
-@pytest.fixture(scope="module")
-def workers(redis_url: str) -> Iterator[list[CeleryWorker]]:
-    started_: list[CeleryWorker] = []
-    try:
-        for _ in range(2):
-            started_.append(LimitsWorker(redis_url, queue=QUEUE, concurrency=2).start())
-        yield started_
-    finally:
-        for worker in started_:
-            worker.kill()
-
-
-@pytest.fixture(scope="module")
-def capp(redis_url: str, workers: list[CeleryWorker]) -> Any:
-    from tests import limits_app
-
-    limits_app.configure(redis_url, QUEUE)
-    return limits_app
+workers, capp = celery_pair(LimitsWorker, QUEUE)
 
 
 def label() -> str:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -23,6 +22,7 @@ from taskdedup import BusyTimeoutError
 from taskdedup.stats import read_stats
 from taskdedup.testing import wait_for
 from tests.effects import recorded
+from tests.pairs import celery_pair
 from tests.workers import CeleryWorker
 
 pytestmark = pytest.mark.slow
@@ -34,24 +34,7 @@ class SecondCallWorker(CeleryWorker):
     app_module = "tests.second_call_app"
 
 
-@pytest.fixture(scope="module")
-def workers(redis_url: str) -> Iterator[list[CeleryWorker]]:
-    started: list[CeleryWorker] = []
-    try:
-        for _ in range(2):
-            started.append(SecondCallWorker(redis_url, queue=QUEUE, concurrency=2).start())
-        yield started
-    finally:
-        for worker in started:
-            worker.kill()
-
-
-@pytest.fixture(scope="module")
-def capp(redis_url: str, workers: list[CeleryWorker]) -> Any:
-    from tests import second_call_app
-
-    second_call_app.configure(redis_url, QUEUE)
-    return second_call_app
+workers, capp = celery_pair(SecondCallWorker, QUEUE)
 
 
 def label() -> str:

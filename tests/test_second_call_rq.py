@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from collections.abc import Iterator
 
 import pytest
 import redis
@@ -24,6 +23,7 @@ from taskdedup.rq import DedupQueue
 from taskdedup.testing import wait_for
 from tests import second_call_jobs
 from tests.effects import recorded
+from tests.pairs import rq_pair
 from tests.workers import RqWorker
 
 pytestmark = pytest.mark.slow
@@ -35,16 +35,7 @@ def label() -> str:
     return uuid.uuid4().hex[:12]
 
 
-@pytest.fixture(scope="module")
-def workers(redis_url: str, rc: redis.Redis) -> Iterator[list[RqWorker]]:
-    started: list[RqWorker] = []
-    try:
-        started.append(RqWorker(redis_url, [QUEUE], scheduler=True).start())
-        started.append(RqWorker(redis_url, [QUEUE], scheduler=True).start())
-        yield started
-    finally:
-        for worker in started:
-            worker.stop()
+workers = rq_pair(QUEUE)
 
 
 def queue(rc: redis.Redis, **policy: object) -> DedupQueue:
