@@ -130,6 +130,48 @@ local function seen(spec, check)
   return {2, 'D', false}
 end
 
+-- claim(key, owner, lease_ms, value[, positions]) -> {code, state or false, owner or false}
+-- The worker's claim shared by claim.lua (its header gives the codes) and follow_up.lua (a
+-- message that is not the waiting follow-up's): value is the key's value as read() gave it;
+-- positions the window argument under an approximate window (an absent lock is answered by
+-- seen(positions, '')). Absent, or another owner's F -> R(owner); the owner's own Q -> R (its
+-- check kept); anything else -> DUPLICATE with the state and owner found.
+local function claim(key, owner, lease_ms, value, positions)
+  local state, held_check, held_owner = parse(value)
+  if state == 'F' and held_owner ~= owner then
+    value = false  -- another call's tombstone: the identity is free
+  end
+  if not value then
+    local known = seen(positions, '')
+    if known then
+      return known
+    end
+    redis.call('SET', key, 'R||' .. owner, 'PX', lease_ms)
+    return {1, false, false}
+  end
+  if not state then
+    return {2, false, false}
+  end
+  if held_owner == owner and state == 'Q' then
+    redis.call('SET', key, 'R|' .. held_check .. '|' .. owner, 'PX', lease_ms)
+    return {1, false, false}
+  end
+  return {2, state, held_owner}
+end
+
+-- follow_up_record(key) -> generation, follow-up id: a coalesced identity's follow-up record
+-- "<generation>|<id>" (see coalesce.lua); 0, '' when it is absent or not in that form.
+local function follow_up_record(key)
+  local record = redis.call('GET', key)
+  if record then
+    local g, id = string.match(record, '^(%d+)|(.*)$')
+    if g then
+      return tonumber(g), id
+    end
+  end
+  return 0, ''
+end
+
 -- gate(key, owner, ttl_ms, check, replace, fresh[, value[, positions]])
 --   -> {code, state or false, owner or false}
 -- (value: the key's value when the caller has read it already; false when absent;

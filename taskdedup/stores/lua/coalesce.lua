@@ -19,14 +19,7 @@
 --                publishes its message under that id, carrying that generation.
 --   else         the codes of reserve.lua (a queued original: 2 DUPLICATE, 'Q', its id).
 
-local gen, next_id = 0, ''
-local record = redis.call('GET', KEYS[2])
-if record then
-  local g, id = string.match(record, '^(%d+)|(.*)$')
-  if g then
-    gen, next_id = tonumber(g), id
-  end
-end
+local gen, next_id = follow_up_record(KEYS[2])
 local keep = tonumber(ARGV[2])
 if next_id ~= '' then
   gen = gen + 1

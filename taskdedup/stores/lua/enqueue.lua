@@ -55,14 +55,7 @@ if ARGV[5] ~= '' then
   end
 end
 if string.sub(ARGV[4], 3, 3) == '1' then
-  local gen, next_id = 0, ''
-  local record = redis.call('GET', KEYS[2])
-  if record then
-    local g, id = string.match(record, '^(%d+)|(.*)$')
-    if g then
-      gen, next_id = tonumber(g), id
-    end
-  end
+  local gen, next_id = follow_up_record(KEYS[2])
   local held_state, _, held_owner = parse(value)
   if next_id == '' and held_state == 'R' and held_owner ~= ARGV[1] then
     next_id = ARGV[1]

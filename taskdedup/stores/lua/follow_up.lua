@@ -17,18 +17,11 @@
 --                 R by owner -> deferred; D/F by owner -> finished) or whose record is gone
 --                 (and 1 ACQUIRED for Q by owner: its own retry, re-reserved)
 
-local gen, next_id = 0, ''
-local record = redis.call('GET', KEYS[2])
-if record then
-  local g, id = string.match(record, '^(%d+)|(.*)$')
-  if g then
-    gen, next_id = tonumber(g), id
-  end
-end
+local gen, next_id = follow_up_record(KEYS[2])
 local owner, lease_ms = ARGV[1], ARGV[2]
 local mine = tonumber(ARGV[3]) or 0
 local value = read(KEYS[1])
-local state, held_check, held_owner = parse(value)
+local state, _, held_owner = parse(value)
 if mine < gen and not (state and held_owner == owner) then
   return {8, false, false}
 end
@@ -46,19 +39,4 @@ if next_id == owner and mine == gen then
   redis.call('SET', KEYS[2], gen .. '|', 'KEEPTTL')
   return {1, false, false}
 end
--- the plain claim (claim.lua)
-if state == 'F' and held_owner ~= owner then
-  value = false
-end
-if not value then
-  redis.call('SET', KEYS[1], 'R||' .. owner, 'PX', lease_ms)
-  return {1, false, false}
-end
-if not state then
-  return {2, false, false}
-end
-if held_owner == owner and state == 'Q' then
-  redis.call('SET', KEYS[1], 'R|' .. held_check .. '|' .. owner, 'PX', lease_ms)
-  return {1, false, false}
-end
-return {2, state, held_owner}
+return claim(KEYS[1], owner, lease_ms, value)  -- the plain claim (claim.lua)
