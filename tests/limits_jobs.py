@@ -16,9 +16,10 @@ from __future__ import annotations
 import os
 import time
 
+from taskdedup.testing import wait_for
 from tests.effects import r, wait_gate
 
-__all__ = ["admitted", "hold", "peak", "runs", "started", "tenant_of"]
+__all__ = ["admitted", "done", "hold", "peak", "rate_held", "runs", "started", "tenant_of"]
 
 
 def tenant_of(label: str, tenant: str, n: int, seconds: float = 0.3, gate: bool = False) -> str:
@@ -102,3 +103,23 @@ def started(client, label: str) -> list[tuple[int, int]]:  # type: ignore[no-unt
         n, start = raw.decode().split()
         out.append((int(n), int(start)))
     return out
+
+
+def done(client, label: str, count: int) -> bool:  # type: ignore[no-untyped-def]
+    """At least ``count`` bodies of ``label`` finished."""
+    return bool(client.llen(f"lim:runs:{label}") >= count)
+
+
+def rate_held(  # type: ignore[no-untyped-def]
+    client, label: str, count: int, limit: int, per_ms: int, sent: float
+) -> None:
+    """The test side of a rate limit of ``limit`` starts per ``per_ms``: the first ``limit``
+    of ``count`` calls sent at ``sent`` (monotonic) start at once (within 5 s), all of them
+    run, and no window of ``per_ms`` holds more than ``limit`` starts (Redis's clock)."""
+    wait_for(lambda: len(started(client, label)) >= limit, timeout=30, what="the first starts")
+    assert time.monotonic() - sent < 5  # the first `limit` are not held back
+    wait_for(lambda: done(client, label, count), timeout=60, what="every call ran")
+    starts = admitted(client, label)  # each start's time in the window, on Redis's clock
+    assert len(starts) == count
+    for i in range(len(starts) - limit):  # a window never holds a (limit + 1)th start
+        assert starts[i + limit] - starts[i] >= per_ms, starts
