@@ -25,9 +25,7 @@ PostgreSQL unique constraint; the 4-client rows are the figure to put beside it.
 
 from __future__ import annotations
 
-import argparse
 import importlib
-import json
 import tempfile
 import threading
 import time
@@ -49,7 +47,7 @@ from taskdedup.sql.server import PostgresServer
 from taskdedup.testing import RedisServer
 
 from .harness import Row, interleaved, median
-from .report import print_table
+from .report import print_table, section_args, write_section_json
 from .rqworker import DedupSimpleWorker
 
 __all__ = ["main"]
@@ -248,12 +246,7 @@ def durable_rows(sizes: Sizes, log: Callable[[str], None]) -> list[Row]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks durable",
-                                     description=__doc__.split("\n\n")[0] if __doc__ else "")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes (the test suite)")
-    parser.add_argument("--runs", type=int, help="interleaved runs per comparison")
-    parser.add_argument("--json", type=Path, metavar="PATH", help="write the figures here")
-    args = parser.parse_args(argv)
+    args = section_args("python -m benchmarks durable", __doc__, argv)
     sizes = Sizes.quick() if args.quick else Sizes()
     if args.runs:
         sizes = Sizes(args.runs, sizes.ops, sizes.ops_durable, sizes.clients, sizes.jobs)
@@ -267,10 +260,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"({'met' if (row.ratio or 0) >= BAR else 'NOT met'}: bar {BAR}x)",
                       highlight=False)
     console.print(f"{time.perf_counter() - started:.1f}s", highlight=False)
-    if args.json:
-        args.json.write_text(json.dumps({"sizes": sizes.__dict__,
-                                         "rows": [r.as_json() for r in rows]}, indent=2))
-        console.print(f"wrote {args.json}")
+    write_section_json(console, args.json, sizes, rows)
     return 0
 
 

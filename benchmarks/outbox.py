@@ -19,8 +19,6 @@ transaction followed by a plain ``.delay()``, and the relay's throughput, in one
 
 from __future__ import annotations
 
-import argparse
-import json
 import multiprocessing
 import os
 import tempfile
@@ -49,7 +47,7 @@ from taskdedup.testing import RedisServer
 from . import apps
 from .harness import Row, interleaved, median
 from .jobs import ENV_URL
-from .report import print_table
+from .report import print_table, section_args, write_section_json
 
 __all__ = ["main"]
 
@@ -269,12 +267,7 @@ def outbox_rows(sizes: Sizes, log: Callable[[str], None]) -> list[Row]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks outbox",
-                                     description=__doc__.split("\n\n")[0] if __doc__ else "")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes (the test suite)")
-    parser.add_argument("--runs", type=int, help="interleaved runs per comparison")
-    parser.add_argument("--json", type=Path, metavar="PATH", help="write the figures here")
-    args = parser.parse_args(argv)
+    args = section_args("python -m benchmarks outbox", __doc__, argv)
     sizes = Sizes.quick() if args.quick else Sizes()
     if args.runs:
         sizes = Sizes(args.runs, sizes.ops, sizes.relay_rows, sizes.relay_runs)
@@ -283,10 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = outbox_rows(sizes, lambda text: console.print(text, highlight=False))
     print_table(console, rows)
     console.print(f"{time.perf_counter() - started:.1f}s", highlight=False)
-    if args.json:
-        args.json.write_text(json.dumps({"sizes": sizes.__dict__,
-                                         "rows": [r.as_json() for r in rows]}, indent=2))
-        console.print(f"wrote {args.json}")
+    write_section_json(console, args.json, sizes, rows)
     return 0
 
 

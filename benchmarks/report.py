@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import itertools
 import json
@@ -21,7 +22,8 @@ from rich.table import Table
 from . import realistic
 from .harness import Row, Sizes
 
-__all__ = ["Bar", "bars", "machine", "print_bars", "print_table", "write_json"]
+__all__ = ["Bar", "bars", "machine", "print_bars", "print_table", "section_args",
+           "write_json", "write_section_json"]
 
 ROOT = Path(__file__).resolve().parent.parent
 SEPARATE = "taskdedup DedupTask, gate in its own round trip"
@@ -293,6 +295,24 @@ def write_json(path: Path, meta: dict[str, Any], sizes: Sizes, rows: list[Row],
         **extra,
     }
     path.write_text(json.dumps(document, indent=2, default=str) + "\n", encoding="utf-8")
+
+
+def section_args(prog: str, doc: str | None, argv: list[str] | None) -> argparse.Namespace:
+    """The options of a section run on its own (``python -m benchmarks durable``, ``outbox``):
+    ``--quick``, ``--runs``, ``--json``; the description is the first paragraph of ``doc``."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0] if doc else "")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (the test suite)")
+    parser.add_argument("--runs", type=int, help="interleaved runs per comparison")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="write the figures here")
+    return parser.parse_args(argv)
+
+
+def write_section_json(console: Console, path: Path | None, sizes: Any, rows: list[Row]) -> None:
+    """A section's sizes and rows as JSON at ``path`` (``--json``; nothing when None)."""
+    if path:
+        path.write_text(json.dumps({"sizes": sizes.__dict__,
+                                    "rows": [r.as_json() for r in rows]}, indent=2))
+        console.print(f"wrote {path}")
 
 
 # -- markdown (docs/performance.md) -------------------------------------------------------------
