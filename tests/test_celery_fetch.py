@@ -387,7 +387,7 @@ def test_the_fetch_is_chosen_once_per_app_and_applied_only_to_its_workers(
     name): the worker's transport becomes taskdedup's, with the fetch's options, and an INFO
     says so; a bare rediss:// keeps kombu's TLS default; sentinel:// gets the Sentinel
     variant. CELERY_TASKDEDUP_RELIABLE_FETCH from Django settings maps to the setting."""
-    from taskdedup.celery.config import reliable_fetch, use_reliable_fetch
+    from taskdedup.celery.config import fuses, reliable_fetch, use_reliable_fetch
     from taskdedup.celery.transport import SENTINEL_TRANSPORT, TRANSPORT
 
     caplog.set_level("INFO", logger="taskdedup")
@@ -396,6 +396,7 @@ def test_the_fetch_is_chosen_once_per_app_and_applied_only_to_its_workers(
     assert "fetch" not in caplog.text
     on = fresh_app("redis://h:1/0", taskdedup_reliable_fetch=True, taskdedup_fetch_lease=12,
                    broker_transport_options={"visibility_timeout": 60})
+    assert fuses(on) and "producers of their own" in caplog.text  # bound before the worker
     assert use_reliable_fetch(on, "w1@host")
     assert on.conf.broker_transport == TRANSPORT
     assert on.conf.broker_transport_options == {
@@ -404,6 +405,8 @@ def test_the_fetch_is_chosen_once_per_app_and_applied_only_to_its_workers(
         "taskdedup_prefix": "taskdedup", "taskdedup_worker": "w1@host"}
     assert caplog.text.count("consumes through taskdedup's reliable fetch") == 1
     assert reliable_fetch(on) and caplog.text.count("reliable fetch") == 1  # decided once
+    assert fuses(on) and on.__dict__["_taskdedup_fuses_why"] == (  # the worker's transport
+        "gated publishes reserve inside the broker's push (one round trip)")
     tls = fresh_app("rediss://h:1/0", taskdedup_reliable_fetch=True)
     assert use_reliable_fetch(tls) and tls.conf.broker_use_ssl["ssl_cert_reqs"] == 0
     named = fresh_app("redis://h:1/0", taskdedup_reliable_fetch=True, broker_transport="redis")

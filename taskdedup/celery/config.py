@@ -215,6 +215,9 @@ def use_reliable_fetch(app: Celery, worker: str | None = None) -> bool:
         conf.broker_transport = _TRANSPORT_NAMES[transport]  # type: ignore[index]
         if rediss:  # what kombu infers from a bare rediss:// for its own transport name
             conf.broker_use_ssl = {"ssl_cert_reqs": ssl.CERT_NONE}
+        # the publish path was chosen for kombu's transport: choose again on taskdedup's
+        app.__dict__.pop("_taskdedup_fuses", None)
+        app.__dict__.pop("_taskdedup_fuses_why", None)
     prefix = conf.get("taskdedup_prefix") or os.environ.get("TASKDEDUP_PREFIX") or DEFAULT_PREFIX
     conf.broker_transport_options = {
         **(conf.broker_transport_options or {}),
