@@ -352,26 +352,34 @@ class _Heartbeat:
             self.wake.wait(interval)
 
     def beat(self, fetchers: list[Fetcher]) -> None:
-        try:
-            for fetcher in fetchers:
+        """Renew every owner's lease (each on its own: one broker away stops no other), then
+        put back lapsed owners' messages, once per server and prefix."""
+        failed: Exception | None = None
+        renewed = []
+        for fetcher in fetchers:
+            try:
                 fetcher.beat()
-            reaped: set[tuple[int, str]] = set()
-            for fetcher in fetchers:  # once per server and prefix
-                client = fetcher.client()
-                where = (id(client.connection_pool), fetcher.prefix)
-                if where not in reaped:
-                    reaped.add(where)
-                    requeue_orphans(client, fetcher.prefix,
-                                    [f.owner for f in fetchers if f.prefix == fetcher.prefix])
-        except Exception as exc:  # the broker is away: kombu's own reconnection deals with it
-            if not self.failing:
-                logger.warning("taskdedup: the reliable fetch could not renew its lease (%s); "
-                               "retrying every heartbeat", exc)
-            self.failing = True
-        else:
-            if self.failing:
-                logger.info("taskdedup: the reliable fetch renews its lease again")
-            self.failing = False
+                renewed.append(fetcher)
+            except Exception as exc:  # the broker is away: kombu's reconnection deals with it
+                failed = exc
+        reaped: set[tuple[int, str]] = set()
+        for fetcher in renewed:
+            client = fetcher.client()
+            where = (id(client.connection_pool), fetcher.prefix)
+            if where in reaped:
+                continue
+            reaped.add(where)
+            try:
+                requeue_orphans(client, fetcher.prefix,
+                                [f.owner for f in fetchers if f.prefix == fetcher.prefix])
+            except Exception as exc:
+                failed = exc
+        if failed is not None and not self.failing:
+            logger.warning("taskdedup: the reliable fetch could not renew its lease or put back "
+                           "a lapsed worker's messages (%s); retrying every heartbeat", failed)
+        elif failed is None and self.failing:
+            logger.info("taskdedup: the reliable fetch renews its lease again")
+        self.failing = failed is not None
 
 
 _HEARTBEATS: dict[int, _Heartbeat] = {}
