@@ -3,10 +3,9 @@ per row — one round trip to Redis — then one ``DELETE`` of the published row
 RQ calls, from a sync ``Connection`` and from an asyncio ``AsyncConnection``.
 
 Celery: a default app (the locks in the broker's Redis) publishes each row in one EVALSHA,
-the fused push. RQ: today each row costs two round trips — ``DedupQueue.enqueue_call`` reads
-the job's status (``HGET``) before the fused enqueue whenever a ``job_id`` is given, and an
-outbox row always gives one; the one-round-trip bar is an XFAIL (strict) until that check
-moves into the enqueue script.
+the fused push. RQ: one EVALSHA per row too — an outbox row always gives its job id, and
+``DedupQueue.enqueue_call`` reads that job's status inside the fused enqueue script (the
+guard of ``enqueue.lua``), not with an ``HGET`` of its own before it.
 
 Round trips are counted at redis-py's socket writes (``send_packed_command``: one per command
 outside a pipeline, one per pipeline), from the test's thread only; the DELETE at the one
@@ -118,16 +117,13 @@ def calls(kind: str, rc: redis.Redis, app: Celery) -> Any:
     return add
 
 
-RQ_BAR = pytest.mark.xfail(strict=True, reason=(
-    "RQ: DedupQueue.enqueue_call reads the job status (HGET) before the fused enqueue when a "
-    "job_id is given: two round trips per outbox row"))
-KINDS = ["celery", pytest.param("rq", marks=RQ_BAR)]
+KINDS = ["celery", "rq"]
 
 
-def test_rq_costs_today_a_status_read_and_the_fused_enqueue_per_row(
+def test_rq_costs_the_fused_enqueue_alone_per_row(
     url: str, rc: redis.Redis, celery_app: Celery, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """What the RQ publish costs now (the XFAIL's cause, pinned so a change is seen)."""
+    """What the RQ publish sends: the fused script and nothing else (no status read first)."""
     engine = sa.create_engine(url)
     add = calls("rq", rc, celery_app)
     with engine.begin() as conn:
@@ -137,7 +133,7 @@ def test_rq_costs_today_a_status_read_and_the_fused_enqueue_per_row(
         with engine.begin() as conn:
             for _ in range(ROWS):
                 add(conn)
-        assert sends.redis == ["HGET", "EVALSHA"] * ROWS
+        assert sends.redis == ["EVALSHA"] * ROWS
         assert sends.deletes == [ROWS]
     finally:
         engine.dispose()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -14,6 +15,7 @@ from typing import Any
 import pytest
 import redis
 import rq.exceptions
+from redis.connection import AbstractConnection
 from rq import Callback, Queue, Repeat
 from rq.job import Job, Retry, cancel_job
 
@@ -612,6 +614,64 @@ def test_unique_and_explicit_job_id_work_beside_the_gate(
     assert again is not None and again.id == jid
     assert lock(rc, key) == f"Q||{jid}"
     assert idle.count == 1
+
+
+def redis_sends(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the commands redis-py writes to its sockets from this thread from now on
+    (one per round trip: one per command outside a pipeline, one per pipeline)."""
+    sent: list[str] = []
+    original = AbstractConnection.send_packed_command
+
+    def counting(conn: AbstractConnection, command: Any, check_health: bool = True) -> None:
+        if threading.current_thread() is threading.main_thread():
+            packed = b"".join(command) if isinstance(command, list) else bytes(command)
+            sent.append(packed.split(b"\r\n")[2].decode())
+        original(conn, command, check_health)
+
+    monkeypatch.setattr(AbstractConnection, "send_packed_command", counting)
+    return sent
+
+
+def test_an_explicit_job_id_enqueue_is_one_round_trip_and_its_live_job_is_checked_in_it(
+    idle: DedupQueue, rc: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fused enqueue reads an explicit job id's status in its own script: a new job and
+    a re-enqueue of a live job id (other arguments: another identity, whose lock is free)
+    each cost one EVALSHA, and the latter is answered with the job as it was written."""
+    idle.enqueue(rq_jobs.record, label())  # warm up: scripts loaded, the fused path checked
+    name, jid = label(), f"jid-{label()}"
+    sent = redis_sends(monkeypatch)
+    first = idle.enqueue(rq_jobs.record, name, job_id=jid)
+    assert first is not None and first.id == jid
+    assert sent == ["EVALSHA"]
+    sent.clear()
+    again = idle.enqueue(rq_jobs.record, f"{name}-other", job_id=jid)
+    assert sent == ["EVALSHA"]  # no HGET first, no fetch of the original after
+    assert again is not None and again.id == jid and again.args == (name,)
+    assert not rc.exists(key_of(idle, rq_jobs.record, f"{name}-other"))  # nothing reserved
+    assert lock(rc, key_of(idle, rq_jobs.record, name)) == f"Q||{jid}"
+    assert idle.job_ids.count(jid) == 1
+
+
+@pytest.mark.slow
+def test_a_started_job_re_enqueued_under_its_own_id_is_a_duplicate_of_itself_and_runs_once(
+    workers: list[RqWorker], q: DedupQueue, rc: redis.Redis
+) -> None:
+    """until_executing: the lock is gone once the job starts, so only the job's own status
+    (read in the fused script) makes the re-enqueue a duplicate of the running job."""
+    name, jid, policy = label(), f"jid-{label()}", {"mode": "until_executing"}
+    first = q.enqueue(rq_jobs.gated, name, job_id=jid, dedup=policy)
+    try:
+        wait_for(lambda: effects(rc, name) == ["start"], timeout=30, what="first started")
+        assert not rc.exists(key_of(q, rq_jobs.gated, name, policy=Policy(**policy)))
+        again = q.enqueue(rq_jobs.gated, name, job_id=jid, dedup=policy)
+        assert again is not None and again.id == jid
+        assert again.get_status(refresh=False) == "started"
+        assert jid not in q.job_ids  # not queued a second time
+    finally:
+        rc.set(f"go:{name}", 1)
+    assert first is not None and ended(first) == "finished"
+    assert effects(rc, name) == ["start", "end"]
 
 
 def test_queue_policy_and_store_are_validated_when_the_queue_is_declared(

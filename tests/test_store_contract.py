@@ -429,6 +429,32 @@ def test_reserve_and_run_fresh_runs_no_command_for_the_owners_own_lock(
     assert client.llen("queue") == 1
 
 
+def test_reserve_and_run_guard_answers_a_live_job_of_the_owner_s_id_before_the_gate(
+    redis_store: RedisStore,
+) -> None:
+    """``guard`` (RQ's explicit job id): a job hash ``peek + owner`` whose status has not
+    ended is answered ALIVE with that hash, nothing reserved and no command run; an ended
+    or absent job leaves the call to the gate, as without the guard."""
+    from taskdedup.stores.redis import reserve_and_run
+
+    client = redis_store.client
+    push = [("RPUSH", "queue", "m")]
+    with pytest.raises(ValueError, match="guard needs peek"):
+        reserve_and_run(client, "k", A, LONG, "", False, push, guard=True)
+    client.hset(f"job:{A}", mapping={"status": "started", "origin": "q"})
+    lock, peeked = reserve_and_run(client, "k", A, LONG, "", False, push, "job:", guard=True)
+    assert lock == LockResult(Outcome.ALIVE, A)
+    assert peeked is not None and dict(zip(peeked[::2], peeked[1::2], strict=True)) == {
+        b"status": b"started", b"origin": b"q"}
+    assert not client.exists("k") and client.llen("queue") == 0
+    client.hset(f"job:{A}", "status", "finished")
+    lock, _ = reserve_and_run(client, "k", A, LONG, "", False, push, "job:", guard=True)
+    assert lock == ACQUIRED and client.llen("queue") == 1
+    lock, _ = reserve_and_run(client, "k", B, LONG, "", False, push, "job:", guard=True)
+    assert lock == LockResult(Outcome.DUPLICATE, A, Q)  # no job B: the gate answers
+    assert client.llen("queue") == 1
+
+
 # -- complete --------------------------------------------------------------------------------
 
 

@@ -268,6 +268,12 @@ class DedupQueue(Queue):
         if not policy.mode.gates_enqueue:
             return publish(job)
 
+        ttl_ms = self._reservation_ttl_ms(policy, when, params.get("ttl"))
+        commands = (self._captured(job, publish, when)
+                    if not unique and self._fuses(job, when) else None)
+        if commands is not None:  # an explicit job id's status is read inside the script
+            return self._enqueue_fused(job, name, policy, identity, ttl_ms, commands, params,
+                                       publish, guard=job_id is not None)
         if job_id is not None:
             status = self._job_status(job_id)
             if unique and status is not None:
@@ -276,12 +282,6 @@ class DedupQueue(Queue):
                 # The same job id re-enqueued while it is alive: a duplicate of itself.
                 return self._on_duplicate(policy, name, identity.key, job_id, params)
 
-        ttl_ms = self._reservation_ttl_ms(policy, when, params.get("ttl"))
-        if not unique and self._fuses(job, when):
-            commands = self._captured(job, publish, when)
-            if commands is not None:
-                return self._enqueue_fused(job, name, policy, identity, ttl_ms, commands,
-                                           params, publish)
         result = self.dedup.gate(name, policy, identity, owner, ttl_ms=ttl_ms)
         if result.verdict is Verdict.DUPLICATE and self._release_stale(name, identity, result):
             result = self.dedup.gate(name, policy, identity, owner, ttl_ms=ttl_ms)
@@ -394,9 +394,14 @@ class DedupQueue(Queue):
     def _enqueue_fused(
         self, job: Job, name: str, policy: Policy, identity: Identity, ttl_ms: int,
         commands: list[Any], params: Mapping[str, Any], publish: Callable[[Job], Job],
-        follow_up: tuple[Mapping[str, Any], bool] | None = None,
+        follow_up: tuple[Mapping[str, Any], bool] | None = None, guard: bool = False,
     ) -> Job | None:
         """Reserve and enqueue in one Lua script (``enqueue.lua``), one round trip.
+
+        ``guard`` (an explicit job id): the script first reads that job's status, and a job
+        of this id that exists and has not ended makes the call a duplicate of itself (its
+        hash in the answer), as the non-fused path's status read does in a round trip of
+        its own.
 
         ``commands`` are RQ's own enqueue (or schedule) writes, captured in a pipeline that was
         never executed; the script runs them only if the reservation is taken. A duplicate's
@@ -415,12 +420,16 @@ class DedupQueue(Queue):
                 lock, peeked = reserve_and_run(self.connection, identity.key, owner, ttl_ms,
                                                identity.check, replace, commands, peek,
                                                window=window_probe(policy, identity.key),
-                                               follow_up=record)
+                                               follow_up=record, guard=guard)
             except StoreUnavailableError as exc:
                 if may_have_run(exc):  # the queue's Redis is unreachable: as a plain enqueue
                     raise
                 self.dedup.store_error(name, policy, identity.key, owner, exc, "enqueue")
                 return publish(job)  # on_store_error="allow": enqueued without dedup
+            if lock.outcome is Outcome.ALIVE:
+                # The same job id re-enqueued while it is alive: a duplicate of itself.
+                return self._on_duplicate(policy, name, identity.key, owner, params,
+                                          decode_hash(peeked))
             if lock.outcome is Outcome.COALESCED and follow_up is not None and peeked:
                 follow, generation = lock.owner or owner, int(peeked[0])
                 flow.coalesced(self.dedup, name, identity.key, owner, follow, generation,

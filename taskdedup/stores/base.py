@@ -34,6 +34,9 @@ class Outcome(IntEnum):
     COALESCED = 7
     """the fused enqueue under ``on_duplicate="coalesce"`` (SPEC §15): nothing was pushed;
     ``owner`` is the follow-up's id, whose message the caller publishes."""
+    ALIVE = 8
+    """the fused enqueue with a guard (RQ's explicit job id): a job of the caller's id
+    exists and has not ended, so the call is a duplicate of it; nothing was written."""
 
 
 class LockState(StrEnum):

@@ -691,6 +691,7 @@ def reserve_and_run(
     client: redis.Redis, key: str, owner: str, ttl_ms: int, check: str, replace: bool,
     commands: Sequence[Sequence[Any]], peek: str = "", *, resent: bool = False,
     fresh: bool = False, window: Probe | None = None, follow_up: str | None = None,
+    guard: bool = False,
 ) -> tuple[LockResult, list[Any] | None]:
     """Reserve ``key`` (or replace, as :meth:`RedisStore.replace`) and, when the gate lets the
     call through, run ``commands`` (the broker's own enqueue: a push, a job write) —
@@ -712,7 +713,10 @@ def reserve_and_run(
     having run). With ``follow_up`` (``on_duplicate="coalesce"``: the follow-up record's key,
     in the lock's slot), a call that joins a waiting follow-up or finds the lock running by
     another id runs no command and is answered ``COALESCED`` with the follow-up's id, the
-    second item then ``[its generation]`` (:mod:`taskdedup.flow`).
+    second item then ``[its generation]`` (:mod:`taskdedup.flow`). With ``guard`` (RQ's
+    explicit job id; needs ``peek``), a job ``peek + owner`` that exists and has not ended is
+    answered ``ALIVE`` (owner: that id) with its hash, before any gate or command: the check
+    an HGET of its status would make first, in the same round trip.
 
     Raises:
         StoreUnavailableError: the script could not run, or one of ``commands`` failed (then
@@ -725,7 +729,11 @@ def reserve_and_run(
         if peek:
             raise ValueError("reserve_and_run: peek and resent exclude each other")
         peek = _RESENT
+    if guard and (not peek or peek == _RESENT):
+        raise ValueError("reserve_and_run: guard needs peek (the job hash prefix)")
     flags = ("1" if replace else "0") + ("1" if fresh else "0") + ("1" if follow_up else "")
+    if guard:
+        flags = flags.ljust(3, "0") + "1"
     tail: list[Any] = []
     for command in commands:
         tail.append(len(command))
@@ -753,5 +761,7 @@ def reserve_and_run(
         raise _clock_error(key)
     if reply[0] == Outcome.COALESCED:
         return LockResult(Outcome.COALESCED, _text(reply[2])), [int(reply[3])]
+    if reply[0] == Outcome.ALIVE:
+        return LockResult(Outcome.ALIVE, _text(reply[2])), reply[3]
     peeked = reply[3] if len(reply) > 3 else None
     return _result(reply[:3]), peeked

@@ -12,7 +12,11 @@
 --          KEYS[2] then being the follow-up record: a call that joins a waiting follow-up
 --          or finds the lock running by another id is answered as coalesce.lua answers
 --          ({7, 'N' or 'R', the follow-up's id, its generation}) and runs no command (the
---          caller publishes the follow-up's message, which carries the generation)
+--          caller publishes the follow-up's message, which carries the generation); then
+--          "1" for a guarded call (RQ's explicit job id; ARGV[5] a job hash prefix): a job
+--          peek .. owner that exists and has not ended makes the call a duplicate of that
+--          very job, answered {8, false, owner, HGETALL of its hash} before any gate or
+--          command runs (what an HGET of its status before the call would have decided)
 -- ARGV[5]  peek     "" or a key prefix of job hashes (RQ's "rq:job:"): on a duplicate the
 --                   reply also carries HGETALL of peek .. holder (the original job's handle);
 --                   and a call whose own job is already written and alive (a client retry
@@ -30,12 +34,20 @@
 -- The commands name keys of the broker (its queue, the job hash) that are not in KEYS: the
 -- broker is one Redis server (neither kombu's Redis transport nor RQ has a Cluster mode).
 -- Returns {code, state or false, owner or false, peeked hash or false}; the codes of
--- reserve.lua / replace.lua. The commands run for 1 ACQUIRED and 6 REPLACED, never for
+-- reserve.lua / replace.lua (and 7 / 8 above). The commands run for 1 ACQUIRED and 6 REPLACED, never for
 -- 2 DUPLICATE or 3 MISMATCH: no moment where the job is queued without its reservation, or
 -- the other way. A command that fails deletes the reservation this call made and raises the
 -- error: the caller is told nothing was enqueued, and no lock is left behind.
 
 local DEAD = {finished = true, failed = true, stopped = true, canceled = true}
+
+if string.sub(ARGV[4], 4, 4) == '1' then
+  local job = ARGV[5] .. ARGV[1]
+  local status = redis.call('HGET', job, 'status')
+  if status and not DEAD[status] then
+    return {8, false, ARGV[1], redis.call('HGETALL', job)}
+  end
+end
 
 local value = read(KEYS[1])
 local resent = ARGV[5] == '='
