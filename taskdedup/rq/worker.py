@@ -334,6 +334,9 @@ class DedupWorker(Worker):
             when = now() + timedelta(seconds=delay)
             if scheduler and save:
                 queue.schedule_job(job, when, pipeline=pipe)
+                # RQ 2.6's schedule_job leaves the job's status as it was (queued):
+                # operators and callers see "scheduled", as RQ's enqueue_at shows it
+                job.set_status(JobStatus.SCHEDULED, pipeline=pipe)
             elif scheduler:
                 queue.scheduled_job_registry.schedule(job, when, pipeline=pipe)
             elif save:
