@@ -92,9 +92,10 @@ class Project:
         out = self.run("shell", "-c", textwrap.dedent(code)).stdout
         return json.loads(out.strip().splitlines()[-1])
 
-    def popen(self, *args: str) -> subprocess.Popen[str]:
+    def popen(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
         return subprocess.Popen(
-            [sys.executable, "manage.py", *args], cwd=PROJECT, env=self.env, text=True,
+            [sys.executable, "manage.py", *args], cwd=PROJECT, env={**self.env, **(env or {})},
+            text=True,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )
 
@@ -151,9 +152,10 @@ def project(request: pytest.FixtureRequest, redis_url: str,
     tmp = tmp_path_factory.mktemp(f"django-{request.param}")
     if request.param == "sqlite":
         database = f"sqlite:///{tmp / 'db.sqlite3'}"
+        other = f"sqlite:///{tmp / 'other.sqlite3'}"
         engine = sa.create_engine(database)
     else:
-        database = _postgres_database()
+        database, other = _postgres_database(), _postgres_database()
         engine = sa.create_engine(database.replace("postgresql://", "postgresql+psycopg://"))
     urls = {"REDIS_URL": _url(redis_url, BROKER_DB), "DEDUP_REDIS_URL": _url(redis_url, LOCKS_DB)}
     for url in urls.values():
@@ -161,6 +163,7 @@ def project(request: pytest.FixtureRequest, redis_url: str,
             client.flushdb()
     env = {k: v for k, v in os.environ.items() if not k.startswith("TASKDEDUP_")}
     env.update(urls, TASKDEDUP_URL="", TASKDEDUP_PREFIX="", DJANGO_DATABASE_URL=database,
+               DJANGO_OTHER_DATABASE_URL=other,  # the "other" alias; migrated by its test
                DJANGO_SETTINGS_MODULE="mysite.settings",
                PYTHONPATH=os.pathsep.join([str(PROJECT), str(ROOT)]))
     found = Project(request.param, env, engine, tmp)
@@ -603,6 +606,247 @@ def test_relay_publishes_what_a_killed_producer_committed_and_stops_on_sigterm(
     assert _rq_status(project, rq_id) == b"finished"
     assert _charges(project).get("ORD-K") == 1 and _charges(project).get("ORD-KR") == 1
     assert worker.process is not None
+
+
+# -- another database alias: using="other" -------------------------------------------------
+
+def _held_ids(project: Project, queue: str) -> list[str]:
+    """The task ids of the Celery messages waiting on ``queue`` (a queue no worker reads)."""
+    return [json.loads(raw)["headers"]["id"] for raw in project.broker.lrange(queue, 0, -1)]
+
+
+_OTHER = """
+import json
+import redis
+from django.core.management import call_command
+from django.db import transaction
+from django.conf import settings
+from taskdedup.exceptions import ConfigurationError
+from taskdedup.django import effects, outbox
+from taskdedup.django.models import Effect, OutboxRow
+from orders.tasks import record_charge
+
+held, ref = {held!r}, {ref!r}
+broker = redis.Redis.from_url(settings.REDIS_URL)
+def sent():
+    return [json.loads(m)["headers"]["id"] for m in broker.lrange(held, 0, -1)]
+def call(n):
+    return record_charge.s(f"{{ref}}-{{n}}", n).set(queue=held)
+def where(model, pk):
+    return [alias for alias in ("default", "other")
+            if model.objects.using(alias).filter(pk=pk).exists()]
+call_command("migrate", database="other", verbosity=0)
+out = {{}}
+# committed on "other" inside a block of "default" that then rolls back: published at
+# "other"'s commit, the row written on "other" only
+try:
+    with transaction.atomic():
+        with transaction.atomic(using="other"):
+            a = out["a"] = outbox.add(call(1), using="other")
+            out["a_rows"] = [OutboxRow.objects.using("other").filter(id=a).exists(),
+                             OutboxRow.objects.using("default").filter(id=a).exists()]
+            out["a_before_commit"] = a in sent()
+        out["a_after_other_commit"] = a in sent()
+        raise RuntimeError
+except RuntimeError:
+    pass
+out["a_left"] = where(OutboxRow, a)
+# "other" rolled back, "default" committed: nothing sent, no row
+with transaction.atomic():
+    try:
+        with transaction.atomic(using="other"):
+            b = out["b"] = outbox.add(call(2), using="other")
+            raise RuntimeError
+    except RuntimeError:
+        pass
+out["b_sent"], out["b_left"] = b in sent(), where(OutboxRow, b)
+# "default" committed inside "other", which then rolls back: not sent at "default"'s
+# commit, nor ever
+try:
+    with transaction.atomic(using="other"):
+        with transaction.atomic():
+            c = out["c"] = outbox.add(call(3), using="other")
+        out["c_after_default_commit"] = c in sent()
+        raise RuntimeError
+except RuntimeError:
+    pass
+out["c_sent"], out["c_left"] = c in sent(), where(OutboxRow, c)
+# "other" not in a transaction (only "default" is): refused, naming the alias
+with transaction.atomic():
+    for name, attempt in (("add_outside", lambda: outbox.add(call(4), using="other")),
+                          ("effects_outside", lambda: effects(key="k", using="other")
+                           .__enter__())):
+        try:
+            attempt()
+        except ConfigurationError as exc:
+            out[name] = str(exc)
+# effects() on "other": claimed there, once, its result stored there
+with transaction.atomic(using="other"), effects(key=f"{{ref}}-fx", using="other") as fx:
+    out["fx_first"] = fx.first
+    fx.result = {{"on": "other"}}
+with transaction.atomic(using="other"), effects(key=f"{{ref}}-fx", using="other") as fx:
+    out["fx_second"] = [fx.first, fx.result]
+out["fx_rows"] = where(Effect, f"{{ref}}-fx")
+with transaction.atomic():  # "default" commits, "other" rolls back: no claim kept
+    try:
+        with transaction.atomic(using="other"), effects(key=f"{{ref}}-rb", using="other"):
+            raise RuntimeError
+    except RuntimeError:
+        pass
+out["fx_rolled_back"] = where(Effect, f"{{ref}}-rb")
+out["sent"] = sent()
+print(json.dumps(out))
+"""
+
+_KILLED_OTHER = """
+import json, os, signal
+from django.db import transaction
+from taskdedup.django import outbox
+from orders.tasks import record_charge
+with transaction.atomic(using="other"):
+    transaction.on_commit(lambda: os.kill(os.getpid(), signal.SIGKILL), using="other")
+    print(json.dumps(outbox.add(record_charge.s({ref!r}, 5).set(queue={held!r}),
+                                using="other")), flush=True)
+"""
+
+_RELAY_OTHER = """
+import io, json
+from django.core.management import call_command
+from taskdedup.django.models import OutboxRow
+import logging
+import orders.tasks  # the relay's app knows the task (as in the relay's own process)
+log = io.StringIO()
+logging.getLogger("taskdedup").addHandler(logging.StreamHandler(log))
+out = {}
+def left():
+    return list(OutboxRow.objects.using("other").values_list("id", flat=True))
+out["before"] = left()
+call_command("taskdedup_relay", "--once", "--grace", "0", stdout=io.StringIO())  # "default"
+out["after_default"] = left()
+status, relayed = io.StringIO(), io.StringIO()
+call_command("taskdedup_outbox_status", "--database", "other", "--json", stdout=status)
+out["status"] = json.loads(status.getvalue())
+call_command("taskdedup_relay", "--once", "--grace", "0", "--database", "other",
+             stdout=relayed)
+out["relayed"], out["after_other"] = relayed.getvalue(), left()
+out["log"] = log.getvalue()
+print(json.dumps(out))
+"""
+
+
+def test_using_another_database_publishes_after_that_databases_commit(
+    project: Project,
+) -> None:
+    """``outbox.add(..., using="other")`` and ``effects(using="other")`` write on the
+    "other" alias and follow ITS transaction, whatever "default"'s does; ``taskdedup_relay
+    --database other`` relays a row committed there and not published."""
+    held, ref = f"held-{uuid.uuid4().hex[:8]}", f"UO-{uuid.uuid4().hex[:8]}"
+    out = project.shell(_OTHER.format(held=held, ref=ref))
+    assert out["a_rows"] == [True, False], out  # written on "other" only
+    assert not out["a_before_commit"] and out["a_after_other_commit"], out
+    assert out["a_left"] == [], out  # published, then deleted
+    assert not out["b_sent"] and out["b_left"] == [], out
+    assert not out["c_after_default_commit"] and not out["c_sent"], out
+    assert out["c_left"] == [], out
+    for name in ("add_outside", "effects_outside"):
+        assert "using='other'" in out[name], out
+    assert out["fx_first"] is True
+    assert out["fx_second"] == [False, {"on": "other"}]
+    assert out["fx_rows"] == ["other"] and out["fx_rolled_back"] == [], out
+    assert out["sent"] == [out["a"]]  # once, and nothing else
+
+    killed = project.run("shell", "-c", _KILLED_OTHER.format(ref=f"{ref}-k", held=held),
+                         check=False)
+    assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
+    row_id = json.loads(killed.stdout.strip().splitlines()[-1])
+    relay = project.shell(_RELAY_OTHER)
+    assert relay["before"] == [row_id] and relay["after_default"] == [row_id], relay
+    assert relay["status"]["rows"] == 1, relay
+    assert relay["relayed"].strip() == "taskdedup relay: 1 row(s) taken", relay
+    assert relay["after_other"] == [], relay["log"]
+    assert sorted(_held_ids(project, held)) == sorted([out["a"], row_id])
+
+
+# -- several relays at once (PostgreSQL: FOR UPDATE SKIP LOCKED) ----------------------------
+
+_BACKLOG = """
+import json, os, signal
+from django.db import transaction
+from taskdedup.django import outbox
+from orders.tasks import record_charge
+with transaction.atomic():
+    transaction.on_commit(lambda: os.kill(os.getpid(), signal.SIGKILL))  # before publishing
+    ids = [outbox.add(record_charge.s(f"{ref}-{{n}}", n).set(queue={held!r}))
+           for n in range({rows})]
+    print(json.dumps(ids), flush=True)
+"""
+
+_LOG_TAKES = """
+create table relay_takes (id varchar(64), relay text);
+create function relay_take() returns trigger language plpgsql as $$
+begin
+insert into relay_takes values (new.id, current_setting('application_name')); return new;
+end $$;
+create trigger relay_take after update of next_attempt on taskdedup_outbox
+for each row execute function relay_take();
+"""
+
+
+def test_two_relays_on_postgresql_publish_each_row_once(project: Project) -> None:
+    """Two ``taskdedup_relay`` processes over one backlog: each row taken by one relay only
+    (a trigger logs each take's ``UPDATE`` of ``next_attempt`` with the relay's
+    ``application_name``), both
+    took some, each row's message sent once, no row left, both exit 0 on SIGTERM."""
+    if project.dialect != "postgresql":
+        pytest.skip("SKIP LOCKED is PostgreSQL's; on SQLite run one relay")
+    rows, held, ref = 300, f"held-{uuid.uuid4().hex[:8]}", f"UR-{uuid.uuid4().hex[:8]}"
+    with project.engine.begin() as conn:
+        conn.execute(sa.text("delete from taskdedup_outbox"))
+        conn.execute(sa.text(_LOG_TAKES))
+    relays: list[subprocess.Popen[str]] = []
+    try:
+        for n in range(2):  # libpq's PGAPPNAME: the trigger's application_name
+            relays.append(project.popen("taskdedup_relay", "--grace", "0", "--poll", "0.05",
+                                        "--batch", "5", env={"PGAPPNAME": f"relay-{n}"}))
+        for relay in relays:  # both polling before the backlog commits
+            assert relay.stdout is not None
+            seen = []
+            while not seen or not seen[-1].startswith("taskdedup relay: database 'default'"):
+                seen.append(relay.stdout.readline())
+                assert seen[-1], "".join(seen)  # it exited before polling
+        killed = project.run("shell", "-c", _BACKLOG.format(ref=ref, held=held, rows=rows),
+                             check=False)
+        assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
+        ids = json.loads(killed.stdout.strip().splitlines()[-1])
+        assert len(set(ids)) == rows
+        wait_for(lambda: not project.rows("select id from taskdedup_outbox")
+                 or any(r.poll() is not None for r in relays), timeout=60,
+                 what="the relays emptied the outbox")
+        assert all(r.poll() is None for r in relays)
+        outputs = []
+        for relay in relays:
+            relay.send_signal(signal.SIGTERM)
+        for relay in relays:
+            outputs.append(relay.communicate(timeout=30)[0])
+            assert relay.returncode == 0, outputs[-1]
+            assert "stopped" in outputs[-1], outputs[-1]
+        takes = project.rows("select id, relay from relay_takes")
+    finally:
+        for relay in relays:
+            if relay.poll() is None:
+                relay.kill()
+        with project.engine.begin() as conn:
+            conn.execute(sa.text("drop trigger if exists relay_take on taskdedup_outbox; "
+                                 "drop function if exists relay_take(); "
+                                 "drop table if exists relay_takes"))
+    per_row: dict[str, int] = {}
+    for row_id, _ in takes:
+        per_row[row_id] = per_row.get(row_id, 0) + 1
+    assert per_row == dict.fromkeys(ids, 1)  # each row taken once, by one relay
+    assert {relay for _, relay in takes} == {"relay-0", "relay-1"}, "not both relays took rows"
+    sent = _held_ids(project, held)
+    assert sorted(sent) == sorted(ids)  # each row's message once
+    assert project.rows("select count(*) from taskdedup_outbox")[0][0] == 0
 
 
 def test_the_wheel_ships_the_migrations_and_the_commands() -> None:

@@ -65,6 +65,8 @@ def _database(url: str) -> dict[str, object]:
 
 
 DATABASES = {"default": _database(os.environ.get("DJANGO_DATABASE_URL", ""))}
+if os.environ.get("DJANGO_OTHER_DATABASE_URL"):  # a second alias (the tests' using="other")
+    DATABASES["other"] = _database(os.environ["DJANGO_OTHER_DATABASE_URL"])
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 USE_TZ = True
 TIME_ZONE = "UTC"
