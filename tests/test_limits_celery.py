@@ -166,6 +166,7 @@ def test_declaration_is_checked(capp: Any) -> None:
     with pytest.raises(ConfigurationError, match="per must be"):
         Rate(1, per=0)
     with pytest.raises(ConfigurationError, match="limits= takes"):
-        @capp.app.task(base=DedupTask, limits=["x"], name=f"bad.{label()}", lazy=False)
+        @capp.app.task(base=DedupTask, limits=["x"], name=f"bad.{label()}", lazy=False,
+                       shared=False)  # a shared task would be declared again by every app
         def bad() -> None:
             pass
