@@ -14,8 +14,9 @@ lock (a duplicate's body is skipped: it ends SUCCESS with :func:`skipped_info` s
 with ``DuplicateTaskError`` inside a workflow), and Celery's signals complete or release it.
 
 Modules: :mod:`.task` (DedupTask), :mod:`.signals` (the worker guard's handlers),
-:mod:`.transport` (the fused kombu push), :mod:`.batch`, :mod:`.config` (store and publish
-path), :mod:`._compat` (what taskdedup relies on in kombu and Celery, checked once).
+:mod:`.transport` (the fused kombu push), :mod:`.fetch` (the reliable fetch, SPEC §17:
+``taskdedup_reliable_fetch``), :mod:`.batch`, :mod:`.config` (store, publish path and fetch),
+:mod:`._compat` (what taskdedup relies on in kombu and Celery, checked once).
 """
 
 from __future__ import annotations
