@@ -346,3 +346,36 @@ def _sentinel_reads_push_requests() -> bool:
 
     params = inspect.signature(SentinelManagedConnection.read_response).parameters
     return "push_request" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def test_a_fetch_reply_lost_with_its_connection_puts_the_message_back(
+    fapp: Any, rc: redis.Redis, redis_url: str
+) -> None:
+    """The broker moves a message into the worker's processing list and the reply is lost
+    with its connection (a TCP proxy drops it and closes the connection): Celery's consumer
+    reconnects, the old channel's release puts the message back, and it runs once. Repeated
+    on several idle waits: wherever the cut lands (the wait, the lease's renewal), nothing is
+    lost or run twice."""
+    from tests.proxy import Proxy
+
+    queue = name("cut")
+    host, port = redis_url.split("://", 1)[1].split("/", 1)[0].rsplit(":", 1)
+    with Proxy((host, int(port))) as proxy:
+        worker = FetchWorker(redis_url, queue=queue,
+                             env={"TASKDEDUP_TEST_BROKER_URL": proxy.url}).start()
+        try:
+            labels = []
+            for _ in range(3):
+                wait_for(lambda: held(rc) == 0, timeout=20, what="the worker is idle")
+                proxy.cut_next_reply()
+                label = name("c")
+                labels.append(label)
+                assert fapp.work.apply_async((label,), queue=queue).get(timeout=60) == label
+            assert proxy.cuts >= 3
+            print(f"\nreply cuts: {proxy.cuts}; reconnections: "
+                  f"{worker.output().count('Connection to broker lost')}")
+            assert {ran(rc, label) for label in labels} == {1}
+            wait_for(lambda: held(rc) == 0 and rc.llen(queue) == 0, timeout=20,
+                     what="nothing left behind")
+        finally:
+            worker.stop()
