@@ -73,4 +73,10 @@ def publisher() -> Any:
     connection (a row of a kind with neither fails to publish, named, and stays)."""
     from ..outbox import Publisher
 
-    return Publisher(celery_app=celery_app(), rq_connection=rq_connection())
+    app = celery_app()
+    if app is not None:
+        # Celery imports the tasks' modules (autodiscover_tasks(), CELERY_IMPORTS) when a
+        # worker starts, not when the app loads: without this the relay would know only the
+        # tasks something else happened to import (the URLconf, through the system checks).
+        app.loader.import_default_modules()
+    return Publisher(celery_app=app, rq_connection=rq_connection())
