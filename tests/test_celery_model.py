@@ -356,7 +356,7 @@ class Driver:
         follow-up, a limit, a countdown) ends its first delivery IGNORED, which ``settle``
         counts as ended, and its republished message can sit in kombu's fetch window (popped,
         not yet unacked: SPEC §17) just when ``settle`` looks at an empty queue."""
-        wait_for(lambda: self.runs(name, key) >= runs, timeout=60,
+        wait_for(lambda: self.runs(name, key) >= runs, timeout=120,
                  what=f"{name}({key}) to run {runs} times")
 
     def chain_with_a_duplicate_step(self, rng: random.Random) -> str:
