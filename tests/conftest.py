@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
+import subprocess
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -107,3 +109,26 @@ def mapp(redis_url: str, model_worker: ModelWorker) -> Any:
                               task_default_queue=model_worker.queue)
     model_app.app.__dict__.pop("_taskdedup", None)
     return model_app
+
+
+@pytest.fixture(scope="session")
+def chromium() -> str:
+    """Debian's chromium (the real browser of tests/test_web_browser.py and
+    tests/test_flower_rq_dashboard.py): found on PATH, else installed with apt-get when we are
+    root; else skipped, except on CI, where that is an error."""
+    found = shutil.which("chromium")
+    if found:
+        return found
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        why = ("Debian's chromium is not installed and we are not root to install it "
+               "(apt-get install chromium)")
+        if os.environ.get("CI"):  # as for a missing Redis binary: on CI an error, not a skip
+            pytest.fail(why)
+        pytest.skip(why)
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    subprocess.run(["apt-get", "update", "-qq"], check=True, env=env, timeout=600)
+    subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", "chromium"],
+                   check=True, env=env, timeout=900)
+    found = shutil.which("chromium")
+    assert found, "apt-get install chromium left no chromium on PATH"
+    return found

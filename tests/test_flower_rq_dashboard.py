@@ -12,7 +12,8 @@ Debian's headless chromium (as tests/test_web_browser.py does).
   ``result:SKIPPED``.
 
 Flower and rq-dashboard are in the ``test`` dependency group; without them (or without
-chromium) the module is skipped, except on CI, where that is an error.
+chromium, which the shared `chromium` fixture installs with apt-get when we are root) the
+module is skipped, except on CI, where that is an error.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import html
 import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 import urllib.parse
@@ -42,8 +42,6 @@ from tests import rq_jobs
 from tests.workers import ROOT, CeleryWorker, RqWorker
 
 _MISSING = [name for name in ("flower", "rq_dashboard") if importlib.util.find_spec(name) is None]
-if not shutil.which("chromium"):
-    _MISSING.append("chromium (apt-get install chromium)")
 if _MISSING:
     _WHY = f"not installed: {', '.join(_MISSING)} (flower and rq-dashboard: the 'test' group)"
     if os.environ.get("CI"):  # as for a missing Redis binary: on CI an error, not a skip
@@ -53,11 +51,9 @@ if _MISSING:
 pytestmark = pytest.mark.slow
 
 
-def browse(tmp_path: Path, url: str) -> str:
+def browse(chromium: str, tmp_path: Path, url: str) -> str:
     """The DOM headless chromium ends with on ``url`` (after its scripts ran)."""
     profile = tmp_path / f"profile-{uuid.uuid4().hex[:8]}"
-    chromium = shutil.which("chromium")
-    assert chromium
     done = subprocess.run(
         [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
          "--no-first-run", "--disable-background-networking", "--disable-component-update",
@@ -148,7 +144,7 @@ def test_rq_worker_says_skipped_at_info_not_successfully_completed(
 
 
 def test_rq_dashboard_lists_the_skipped_job_as_skipped(
-    rq_skipped: tuple[RqWorker, Any, str], redis_url: str, tmp_path: Path
+    rq_skipped: tuple[RqWorker, Any, str], redis_url: str, tmp_path: Path, chromium: str
 ) -> None:
     _, job, queue_name = rq_skipped
     port = free_port()
@@ -156,10 +152,10 @@ def test_rq_dashboard_lists_the_skipped_job_as_skipped(
     args = [sys.executable, "-c", "from rq_dashboard.cli import main; main()",
             "--redis-url", redis_url, "--bind", "127.0.0.1", "--port", str(port)]
     with server(args, base + "/", tmp_path / "rq-dashboard.log"):
-        listing = browse(tmp_path, f"{base}/0/view/jobs/{queue_name}/finished/8/asc/1")
+        listing = browse(chromium, tmp_path, f"{base}/0/view/jobs/{queue_name}/finished/8/asc/1")
         assert job.id in listing
         assert "[SKIPPED duplicate of someone-else (running)] tests.rq_jobs.record(" in listing
-        page = browse(tmp_path, f"{base}/0/view/job/{job.id}")
+        page = browse(chromium, tmp_path, f"{base}/0/view/job/{job.id}")
         result = page[page.index("Result"):]
         # Flask sorts the keys: the uppercase SKIPPED comes first
         assert result.index('"SKIPPED": "duplicate of someone-else (running)"') < result.index(
@@ -181,7 +177,9 @@ class EventsWorker(CeleryWorker):
         return [*super().command(), "-E"]
 
 
-def test_flower_shows_a_skipped_duplicate_as_skipped(redis_url: str, tmp_path: Path) -> None:
+def test_flower_shows_a_skipped_duplicate_as_skipped(
+    redis_url: str, tmp_path: Path, chromium: str
+) -> None:
     from tests import observe_app
 
     queue = f"ui-flower-{uuid.uuid4().hex[:8]}"
@@ -223,7 +221,7 @@ def test_flower_shows_a_skipped_duplicate_as_skipped(redis_url: str, tmp_path: P
             assert str(info["result"]).startswith(f"{{'SKIPPED': 'duplicate of {first_id}")
 
             # the task list, as an operator's browser renders it
-            listing = browse(tmp_path, f"{base}/tasks")
+            listing = browse(chromium, tmp_path, f"{base}/tasks")
             row = listing[listing.index(skipped.id):]
             row = row[:row.index("</tr>")]
             assert f"{{'SKIPPED': 'duplicate of {first_id} (done)'" in row
@@ -232,7 +230,7 @@ def test_flower_shows_a_skipped_duplicate_as_skipped(redis_url: str, tmp_path: P
             assert "SKIPPED" not in first_row[:first_row.index("</tr>")]
 
             # the task's own page
-            page = browse(tmp_path, f"{base}/task/{skipped.id}")
+            page = browse(chromium, tmp_path, f"{base}/task/{skipped.id}")
             assert f"{{'SKIPPED': 'duplicate of {first_id} (done)'" in page
 
             # the documented search terms find the skipped rows only

@@ -14,7 +14,6 @@ from __future__ import annotations
 import html
 import json
 import os
-import shutil
 import subprocess
 import sys
 import urllib.request
@@ -36,27 +35,6 @@ ROOT = Path(__file__).resolve().parent.parent
 SCREENSHOT = ROOT / "docs" / "images" / "web.png"
 POLICY = Policy(ttl=300)
 TOKEN = "browser-test-token-0123456789"
-
-
-@pytest.fixture(scope="module")
-def chromium() -> str:
-    """Debian's chromium: found on PATH, else installed with apt-get when we are root."""
-    found = shutil.which("chromium")
-    if found:
-        return found
-    if os.geteuid() != 0 or not shutil.which("apt-get"):
-        why = ("Debian's chromium is not installed and we are not root to install it "
-               "(apt-get install chromium)")
-        if os.environ.get("CI"):  # as for a missing Redis binary: on CI an error, not a skip
-            pytest.fail(why)
-        pytest.skip(why)
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    subprocess.run(["apt-get", "update", "-qq"], check=True, env=env, timeout=600)
-    subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", "chromium"],
-                   check=True, env=env, timeout=900)
-    found = shutil.which("chromium")
-    assert found, "apt-get install chromium left no chromium on PATH"
-    return found
 
 
 @pytest.fixture
