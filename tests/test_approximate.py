@@ -12,6 +12,7 @@ import hashlib
 import logging
 import math
 import random
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -385,14 +386,18 @@ def test_slice_keys_expire_after_their_life_on_redis_in_real_time(
 
 
 class CommandCounter:
-    """Counts the commands redis-py sends (one per round trip outside pipelines)."""
+    """Counts the commands redis-py sends from this thread (one per round trip outside
+    pipelines): a heartbeat thread an earlier test left behind in this process sends its own,
+    which are not the test's."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.commands: list[str] = []
         original = redis.Redis.execute_command
+        mine = threading.get_ident()
 
         def counting(client: redis.Redis, *args: Any, **options: Any) -> Any:
-            self.commands.append(str(args[0]).upper())
+            if threading.get_ident() == mine:
+                self.commands.append(str(args[0]).upper())
             return original(client, *args, **options)
 
         monkeypatch.setattr(redis.Redis, "execute_command", counting)

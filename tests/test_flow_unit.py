@@ -359,6 +359,7 @@ def test_celery_coalesce_publishes_in_one_round_trip_unless_it_becomes_a_follow_
     assert folded.delay(name, 3).id == follow.id
     assert rc.get(follow_up_key(dedup, key)) == f"2|{follow.id}".encode()
     assert rc.llen(queue) == 4  # warm, original, and the follow-up's two messages
+    dedup.finish(folded.name, policy, key, original.id, success=True)  # its heartbeat stops
     rc.delete(queue)
 
 
