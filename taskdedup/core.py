@@ -30,7 +30,7 @@ from .exceptions import (
 )
 from .identity import fingerprint, fingerprint_value
 from .policy import Mode, OnBusy, OnDuplicate, OnStoreError, Policy
-from .stores.base import LockResult, LockState, Outcome, Store
+from .stores.base import SETTLE_AFTER, LockResult, LockState, Outcome, Store
 
 __all__ = [
     "Deduplicator", "GateCall", "GateResult", "Heartbeat", "Identity", "StartResult", "Verdict",
@@ -418,10 +418,14 @@ class Deduplicator:
             name, owner, where, key, key, key,
         )
 
-    def finish(self, name: str, policy: Policy, key: str, owner: str, *, success: bool) -> None:
+    def finish(self, name: str, policy: Policy, key: str, owner: str, *, success: bool,
+               later: bool = False) -> None:
         """The body is over: complete (success) or release (final failure).
 
         Store errors are logged, not raised: the lock then frees itself within ``lease``.
+        ``later``: a worker's success whose completion need not hold up its next task — the
+        completion is sent at once and its reply read later (a store with
+        ``complete_later``, exact windows); what it answers is reported then.
         """
         self.stop_heartbeat(key, owner)
         if policy.mode is Mode.UNTIL_EXECUTING:
@@ -431,16 +435,36 @@ class Deduplicator:
                 self._emit(Event.LEASE_LOST, name, key, owner, detail="release")
             return
         probe = window_probe(policy, key)
+        # until_expired keeps DONE for ttl; else the identity is free again, and a tombstone
+        # tells this id's copies it ran
+        ttl_ms, finished_ms = ((policy.ttl_ms, 0) if policy.mode is Mode.UNTIL_EXPIRED
+                               else (0, policy.lease_ms))
+        complete_later = getattr(self.store, "complete_later", None) if later else None
+        if probe is None and complete_later is not None:
+            def report(outcome: Outcome | StoreUnavailableError) -> None:
+                self._completed(name, policy, key, owner, outcome)
+
+            if complete_later(key, owner, ttl_ms, report, finished_ms=finished_ms):
+                self.heartbeat().settle_soon(self.store)
+                return
         try:
             if probe is not None:
-                outcome = self._remember(name, key, owner, probe, policy.lease_ms)
-            elif policy.mode is Mode.UNTIL_EXPIRED:
-                outcome = self.store.complete(key, owner, policy.ttl_ms)
-            else:  # the identity is free again; a tombstone tells this id's copies it ran
-                outcome = self.store.complete(key, owner, 0, finished_ms=policy.lease_ms)
+                outcome: Outcome | StoreUnavailableError = self._remember(
+                    name, key, owner, probe, policy.lease_ms)
+            elif finished_ms:
+                outcome = self.store.complete(key, owner, 0, finished_ms=finished_ms)
+            else:  # the plain call, as stores written before finished_ms take it
+                outcome = self.store.complete(key, owner, ttl_ms)
         except StoreUnavailableError as exc:
+            outcome = exc
+        self._completed(name, policy, key, owner, outcome)
+
+    def _completed(self, name: str, policy: Policy, key: str, owner: str,
+                   outcome: Outcome | StoreUnavailableError) -> None:
+        """Report what a completion answered."""
+        if isinstance(outcome, StoreUnavailableError):
             self._emit(Event.STORE_ERROR, name, key, owner, detail="complete")
-            logger.warning("taskdedup: could not complete %s[%s]: %s", name, owner, exc)
+            logger.warning("taskdedup: could not complete %s[%s]: %s", name, owner, outcome)
             return
         if outcome is Outcome.OK:
             self._emit(Event.COMPLETED, name, key, owner)
@@ -680,22 +704,40 @@ class Heartbeat:
         self._due: dict[tuple[str, str], tuple[float, int, str]] = {}
         self._thread: threading.Thread | None = None
         self._wake_at = float("inf")  # when the thread wakes next on its own
+        self._settle: dict[int, Any] = {}  # stores owing completion replies (settle_soon)
+        self._settle_at = float("inf")
 
     def add(self, name: str, key: str, owner: str, lease_ms: int) -> None:
         due = time.monotonic() + lease_ms / 3000
         with self._cond:
             self._due[(key, owner)] = (due, lease_ms, name)
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="taskdedup-heartbeat", daemon=True
-                )
-                self._thread.start()
+            self._start()
             if due < self._wake_at:  # else the thread's own wake-up covers it: no wake per task
                 self._cond.notify()
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name="taskdedup-heartbeat", daemon=True
+            )
+            self._thread.start()
 
     def remove(self, key: str, owner: str) -> None:
         with self._cond:
             self._due.pop((key, owner), None)
+
+    def settle_soon(self, store: Any) -> None:
+        """Have ``store``'s unread completion replies read within ``SETTLE_AFTER`` if the
+        worker's own next claim has not read them by then (``RedisStore.complete_later``)."""
+        at = time.monotonic() + SETTLE_AFTER
+        with self._cond:
+            self._settle[id(store)] = store
+            if self._settle_at <= at:
+                return  # a wake-up is due already
+            self._settle_at = at
+            self._start()
+            if at < self._wake_at:
+                self._cond.notify()
 
     def __len__(self) -> int:
         return len(self._due)
@@ -704,9 +746,18 @@ class Heartbeat:
         while True:
             with self._cond:
                 now = time.monotonic()
+                settle: list[Any] = []
+                if self._settle_at <= now:
+                    settle, self._settle = list(self._settle.values()), {}
+                    self._settle_at = float("inf")
+            for store in settle:
+                self._read_replies(store)
+            with self._cond:
+                now = time.monotonic()
                 due = [(k, v) for k, v in self._due.items() if v[0] <= now]
                 if not due:
-                    wait = min((v[0] for v in self._due.values()), default=now + 60) - now
+                    wait = min(min((v[0] for v in self._due.values()), default=now + 60),
+                               self._settle_at) - now
                     self._wake_at = now + max(0.005, wait)
                     self._cond.wait(timeout=max(0.005, wait))
                     self._wake_at = float("inf")
@@ -715,6 +766,17 @@ class Heartbeat:
                     self._due[k] = (now + lease_ms / 3000, lease_ms, name)
             for (key, owner), (_, lease_ms, name) in due:
                 self._beat(name, key, owner, lease_ms)
+
+    def _read_replies(self, store: Any) -> None:
+        """Read the completion replies ``store``'s threads have left unread for a while;
+        look again later while some are owed."""
+        try:
+            owed = store.settle(SETTLE_AFTER / 2)
+        except Exception:  # the thread must survive anything
+            logger.exception("taskdedup: reading completion replies failed")
+            return
+        if owed:
+            self.settle_soon(store)
 
     def _beat(self, name: str, key: str, owner: str, lease_ms: int) -> None:
         dedup = self._dedup

@@ -17,6 +17,7 @@ from celery import signals
 
 from .. import running, stats
 from ..policy import Mode
+from ..stores import trail
 from . import _compat, claims
 from ._message import HEADER, RUNNING_ATTR, SKIPPED, STATE_ATTR, request_header
 from .config import get_deduplicator, say_fetch_path, say_publish_path, use_reliable_fetch
@@ -48,8 +49,9 @@ def _on_success(sender: Any = None, **_: Any) -> None:
     request = task.request
     key = _own_key(task, request, request.id)
     if key:
-        get_deduplicator(task.app).finish(
-            task.name, task._dedup_policy, key, request.id, success=True  # type: ignore[arg-type]
+        get_deduplicator(task.app).finish(  # the next task does not wait for its reply
+            task.name, task._dedup_policy, key, request.id,  # type: ignore[arg-type]
+            success=True, later=not request.is_eager,
         )
 
 
@@ -203,4 +205,11 @@ def _on_worker_setup(sender: Any = None, instance: Any = None, **_: Any) -> None
 signals.worker_init.connect(_on_worker_init, weak=False)
 signals.celeryd_after_setup.connect(_on_worker_setup, weak=False)
 # Pool processes exit without atexit handlers: flush the last counts explicitly.
-signals.worker_process_shutdown.connect(lambda **_: stats.flush_before_exit(), weak=False)
+def _on_process_shutdown(**_: Any) -> None:
+    """A pool process ends: read the completion replies it owes (their reports count in
+    the stats), then flush the stats."""
+    trail.settle_all()
+    stats.flush_before_exit()
+
+
+signals.worker_process_shutdown.connect(_on_process_shutdown, weak=False)

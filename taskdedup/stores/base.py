@@ -13,7 +13,12 @@ from __future__ import annotations
 from enum import IntEnum, StrEnum
 from typing import NamedTuple, Protocol, runtime_checkable
 
-__all__ = ["LockInfo", "LockResult", "LockState", "Outcome", "Remembered", "Store"]
+__all__ = ["SETTLE_AFTER", "LockInfo", "LockResult", "LockState", "Outcome", "Remembered",
+           "Store"]
+
+SETTLE_AFTER = 0.05
+"""Seconds within which a completion reply left unread (a store's ``complete_later``, read
+on the worker's next claim) is read by the heartbeat thread instead."""
 
 
 class Outcome(IntEnum):

@@ -47,6 +47,7 @@ from . import server
 from ._compat import NEVER_DECODE, raw_exchange
 from .base import LockInfo, LockResult, LockState, Outcome, Remembered
 from .memory import check_check, check_ms, check_owner, parse_value
+from .trail import Trails
 
 __all__ = ["RedisStore"]
 
@@ -266,6 +267,10 @@ class RedisStore:
         self._bulk_ready = False
         # How reserve_many takes a pooled connection for its raw exchange (None: a pipeline).
         self._take_connection = raw_exchange(client)
+        # Completions sent at once whose replies are read later (complete_later).
+        self._complete_loaded = False  # the server has complete.lua (complete_later)
+        self._trails = None if self._take_connection is None else Trails(
+            self._take_connection, client.connection_pool.release, _pack, self._redo)
 
     @classmethod
     def from_url(cls, url: str, **client_kwargs: Any) -> RedisStore:
@@ -336,6 +341,13 @@ class RedisStore:
         except RedisError as exc:
             raise self._unavailable(f"{action} {key!r}", exc) from exc
 
+    def _redo(self, command: tuple[Any, ...]) -> Any:
+        """An ``EVALSHA`` sent by :meth:`complete_later` made again as an ordinary call."""
+        _, sha, _, key, *args = command
+        script = next(s for s in self._scripts.values() if s.sha == sha)
+        self._complete_loaded = False  # NOSCRIPT, or a new connection: load it again first
+        return self._eval(script, "complete", key, *args)
+
     def _eval_window(self, script: Script, action: str, key: str, window: Probe | None,
                      *args: str | int) -> Any:
         """:meth:`_eval` of ``script`` on ``key`` and, under ``window``, the slice keys around
@@ -400,6 +412,8 @@ class RedisStore:
         """See :meth:`taskdedup.stores.Store.claim` (``window`` as in :meth:`reserve`)."""
         check_owner(owner)
         check_ms("lease_ms", lease_ms)
+        if self._trails is not None:
+            self._trails.settle_mine()  # the last completion's reply, arrived meanwhile
         return _result(self._eval_window(self._claim, "claim", key, window, owner, lease_ms))
 
     def remember(
@@ -432,6 +446,48 @@ class RedisStore:
             return _OUTCOMES[self._eval(self._complete, "complete", key, owner, ttl_ms,
                                         finished_ms)]
         return _OUTCOMES[self._eval(self._complete, "complete", key, owner, ttl_ms)]
+
+    def complete_later(
+        self, key: str, owner: str, ttl_ms: int, on_outcome: Callable[[Any], None], *,
+        finished_ms: int = 0,
+    ) -> bool:
+        """:meth:`complete`, sent at once, its reply read later (:mod:`.trail`): the
+        worker's next task does not wait a round trip for it. ``on_outcome`` gets the
+        :class:`Outcome`, or the :class:`StoreUnavailableError`, when the reply is read (on
+        this thread's next claim, from the heartbeat thread soon after, or at exit). False:
+        nothing was sent (no raw connection here, or the send failed); call :meth:`complete`.
+        """
+        check_owner(owner)
+        check_ms("ttl_ms", ttl_ms, allow_zero=True)
+        if self._trails is None:
+            return False
+        if not self._complete_loaded:  # else the first one would be NOSCRIPT, done at settle
+            try:
+                self.client.script_load(self._complete.script)
+            except RedisError:
+                return False
+            self._complete_loaded = True
+        args: tuple[Any, ...] = (owner, ttl_ms)
+        if finished_ms:
+            check_ms("finished_ms", finished_ms)
+            args = (owner, ttl_ms, finished_ms)
+
+        def outcome(reply: Any) -> None:
+            if isinstance(reply, RedisError):
+                reply = self._unavailable(f"complete {key!r}", reply)
+            on_outcome(reply if isinstance(reply, Exception) else _OUTCOMES[reply])
+
+        return self._trails.send(("EVALSHA", self._complete.sha, 1, key, *args), outcome)
+
+    def settle(self, older_than: float | None = None) -> bool:
+        """Read the replies :meth:`complete_later` left unread (all of them, or those older
+        than ``older_than`` seconds); whether some are still owed."""
+        if self._trails is None:
+            return False
+        if older_than is None:
+            self._trails.settle()
+            return False
+        return self._trails.settle_idle(older_than)
 
     def release(self, key: str, owner: str, *, only_queued: bool = False) -> Outcome:
         """See :meth:`taskdedup.stores.Store.release`."""

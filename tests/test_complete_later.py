@@ -1,0 +1,119 @@
+"""A worker's completion sent at once, its reply read later (``RedisStore.complete_later``).
+
+The completion is on the server as soon as ``finish(later=True)`` returns (another client
+reads DONE at once); its reply is read on the worker's next claim or by the heartbeat thread
+within ``SETTLE_AFTER``, and only then reported (``completed``, or ``lease_lost`` with its
+WARNING). A connection broken or a script cache flushed before the reply is read has the
+completion made again: it is idempotent for its owner.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+import pytest
+import redis
+
+from taskdedup import Deduplicator, Policy, RedisStore
+from taskdedup.events import DedupEvent, Event
+from taskdedup.testing import wait_for
+
+NAME = "tests.later"
+POLICY = Policy(ttl=60, lease=30)
+
+
+@pytest.fixture
+def dedup(redis_url: str) -> Deduplicator:
+    return Deduplicator(RedisStore.from_url(redis_url))
+
+
+def _run_body(dedup: Deduplicator, label: str) -> tuple[str, str]:
+    """Gate and claim a fresh call; its (key, owner)."""
+    owner = str(uuid.uuid4())
+    identity = dedup.identity(NAME, POLICY, (label,))
+    dedup.gate(NAME, POLICY, identity, owner)
+    dedup.start(NAME, POLICY, identity.key, owner)
+    return identity.key, owner
+
+
+def _events(dedup: Deduplicator) -> list[DedupEvent]:
+    seen: list[DedupEvent] = []
+    dedup.events.add(seen.append)
+    return seen
+
+
+def test_the_completion_is_on_the_server_before_its_reply_is_read(
+    dedup: Deduplicator, redis_client: redis.Redis
+) -> None:
+    seen = _events(dedup)
+    for label in ("warm", "one"):
+        key, owner = _run_body(dedup, f"{label}-{uuid.uuid4().hex}")
+        dedup.finish(NAME, POLICY, key, owner, success=True, later=True)
+        assert redis_client.get(key) == f"D||{owner}".encode()  # another client sees it now
+    store = dedup.store
+    assert isinstance(store, RedisStore)
+    assert store.settle(older_than=60.0)  # its reply is still owed
+    assert [e.task_id for e in seen if e.event is Event.COMPLETED].count(owner) == 0
+    wait_for(lambda: [e for e in seen if e.event is Event.COMPLETED and e.task_id == owner],
+             timeout=5, what="the completion reported by the heartbeat thread")
+    assert not store.settle(older_than=0.0)
+
+
+def test_the_next_claim_reads_the_reply_and_reports_it(dedup: Deduplicator) -> None:
+    seen = _events(dedup)
+    key, owner = _run_body(dedup, uuid.uuid4().hex)
+    dedup.finish(NAME, POLICY, key, owner, success=True, later=True)
+    _run_body(dedup, uuid.uuid4().hex)  # the next task's claim on this thread
+    assert [e.event for e in seen if e.task_id == owner][-1] is Event.COMPLETED
+
+
+def test_a_lost_lock_is_reported_when_the_reply_comes(
+    dedup: Deduplicator, redis_client: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    seen = _events(dedup)
+    key, owner = _run_body(dedup, uuid.uuid4().hex)
+    redis_client.delete(key)  # expired, or evicted
+    with caplog.at_level(logging.WARNING, logger="taskdedup"):
+        dedup.finish(NAME, POLICY, key, owner, success=True, later=True)
+        wait_for(lambda: [e for e in seen if e.event is Event.LEASE_LOST and e.task_id == owner],
+                 timeout=5, what="the lost lock reported")
+    assert redis_client.get(key) is None  # a former owner writes nothing
+    assert "finished after its lock" in caplog.text
+
+
+def test_a_flushed_script_cache_is_completed_again_with_eval(
+    dedup: Deduplicator, redis_client: redis.Redis
+) -> None:
+    key, owner = _run_body(dedup, uuid.uuid4().hex)
+    dedup.finish(NAME, POLICY, key, owner, success=True, later=True)  # complete.lua loaded
+    key, owner = _run_body(dedup, uuid.uuid4().hex)
+    redis_client.script_flush()
+    dedup.finish(NAME, POLICY, key, owner, success=True, later=True)  # NOSCRIPT on the server
+    wait_for(lambda: redis_client.get(key) == f"D||{owner}".encode(), timeout=5,
+             what="the completion made again with EVAL")
+
+
+def test_a_connection_broken_before_the_reply_is_read_is_completed_again(
+    dedup: Deduplicator, redis_client: redis.Redis
+) -> None:
+    seen = _events(dedup)
+    key, owner = _run_body(dedup, uuid.uuid4().hex)
+    dedup.finish(NAME, POLICY, key, owner, success=True, later=True)
+    redis_client.client_kill_filter(_type="normal", skipme=True)  # the worker's connections
+    wait_for(lambda: [e for e in seen if e.event is Event.COMPLETED and e.task_id == owner],
+             timeout=5, what="the completion reported after the connection broke")
+    assert redis_client.get(key) == f"D||{owner}".encode()
+    key, owner = _run_body(dedup, uuid.uuid4().hex)  # the store works on
+    assert redis_client.get(key) == f"R||{owner}".encode()
+
+
+def test_a_single_connection_client_completes_at_once(redis_url: str,
+                                                      redis_client: redis.Redis) -> None:
+    store = RedisStore(redis.Redis.from_url(redis_url, single_connection_client=True))
+    dedup = Deduplicator(store)
+    seen = _events(dedup)
+    key, owner = _run_body(dedup, uuid.uuid4().hex)
+    dedup.finish(NAME, POLICY, key, owner, success=True, later=True)
+    assert [e.event for e in seen if e.task_id == owner][-1] is Event.COMPLETED
+    assert redis_client.get(key) == f"D||{owner}".encode()
