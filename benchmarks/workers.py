@@ -39,7 +39,7 @@ __all__ = ["celery_fetch", "celery_workers", "rq_workers"]
 
 ROOT = Path(__file__).resolve().parent.parent
 STAGE, LIVE = "bench-stage", "bench-live"
-_IGNORED = ("exists", "get")  # the benchmark's own polling and reads of t0/t1
+_IGNORED = ("exists",)  # the benchmark's own polling (its two GETs of t0/t1: 2 per batch)
 
 
 def _env(url: str) -> dict[str, str]:
@@ -68,11 +68,12 @@ class _CeleryWorker:
     """``celery worker`` consuming ``bench-live-<pool>``, in its own process group;
     ``fetch="reliable"``: ``bench-live-<pool>-reliable`` through the reliable fetch."""
 
-    def __init__(self, ctx: Context, pool: str, concurrency: int, fetch: str = "kombu") -> None:
+    def __init__(self, ctx: Context, pool: str, concurrency: int, fetch: str = "kombu",
+                 app: str = "benchmarks.apps") -> None:
         self.queue = f"{LIVE}-{pool}" + ("-reliable" if fetch == "reliable" else "")
         self.log = Path(tempfile.mkstemp(prefix=f"bench-celery-{pool}-", suffix=".log")[1])
         cmd = [
-            sys.executable, "-m", "celery", "-A", "benchmarks.apps", "worker",
+            sys.executable, "-m", "celery", "-A", app, "worker",
             "-P", pool, "-c", str(concurrency), "-Q", self.queue,
             "-n", f"bench-{pool}-{fetch}-{os.getpid()}@%h",
             "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "WARNING",
@@ -118,12 +119,17 @@ def _celery_batch(ctx: Context, worker: _CeleryWorker, task: Any, total: int,
 
 
 def celery_workers(ctx: Context) -> list[Row]:
-    """Celery prefork (-c 2) and solo: plain task vs DedupTask, pre-published batches."""
+    """Celery prefork (-c 2) and solo, the realistic app (default configuration: the locks in
+    the broker's Redis): plain task vs DedupTask vs the peers, pre-published batches."""
     sizes = ctx.sizes
     total = sizes.celery_tasks
     rows: list[Row] = []
-    tasks = {"plain Celery task": apps.charge_plain, "taskdedup DedupTask": apps.charge_dedup}
-    pools = {pool: _CeleryWorker(ctx, pool, concurrency)  # start-ups overlap; idle is ~free
+    tasks = {"plain Celery task": apps.realistic["plain"],
+             "taskdedup DedupTask": apps.realistic["taskdedup"],
+             **{f"{peer}": task for peer, task in apps.realistic.items()
+                if peer not in ("plain", "taskdedup")}}
+    pools = {pool: _CeleryWorker(ctx, pool, concurrency,  # start-ups overlap; idle is ~free
+                                 app="benchmarks.apps:realistic_app")
              for pool, concurrency in (("prefork", 2), ("solo", 1))}
     try:
         for pool, worker in pools.items():
@@ -165,7 +171,8 @@ def _celery_rows(pool: str, total: int, tasks: dict[str, Any], samples: dict[str
             baseline=None if label.startswith("plain") else "plain Celery task",
             ratios=ratios.get(label), commands=cmds,
             round_trips=cmds.get("evalsha", 0.0) + cmds.get("eval", 0.0),
-            note=f"{total:,} tasks per run; round trips = taskdedup EVALSHA per task",
+            note=f"{total:,} tasks per run; {sum(cmds.values()):.1f} server commands per task "
+                 "(the body's INCR and the broker's included); round trips = EVALSHA per task",
         ))
     return rows
 
