@@ -2,5 +2,5 @@
 celery-singleton, on one Redis server in one run.
 
 Run it with ``python -m benchmarks`` (``--quick`` for tiny sizes, ``--json out.json`` for the
-figures); see ``docs/performance.md`` for what each figure means and the latest results.
+figures); see ``docs/explanation/performance.md`` for what each figure means and the latest results.
 """
