@@ -170,6 +170,7 @@ class RoundTripCounter:
         self.shas: list[str] = []
         self._thread = threading.get_ident()
         self._saved: dict[str, Any] = {}
+        self._named = False  # the next packed send was recorded by name already
 
     def __enter__(self) -> RoundTripCounter:
         cls = AbstractConnection
@@ -186,6 +187,12 @@ class RoundTripCounter:
         def send_packed_command(conn: Any, command: Any, check_health: bool = True) -> Any:
             if threading.get_ident() == counter._thread:
                 counter.round_trips += 1
+                if counter._named:
+                    counter._named = False
+                else:  # packed by its caller (taskdedup's raw sends): read the names
+                    for args in _unpack(command):
+                        counter._record(args)
+                    counter._named = False
             return send_packed(conn, command, check_health)
 
         def send_command(conn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -212,10 +219,32 @@ class RoundTripCounter:
         if name in ("EVALSHA", "EVAL") and len(args) > 1:
             self.shas.append(_text(args[1]) if name == "EVALSHA" else "<source>")
         self.commands[name] += 1
+        self._named = True
 
     def __exit__(self, *exc: object) -> None:
         for name, original in self._saved.items():
             setattr(AbstractConnection, name, original)
+
+
+def _unpack(packed: Any) -> list[list[bytes]]:
+    """The first two items of each command in a packed RESP buffer (its name and, for
+    EVALSHA, the script's sha): what a caller that packs its own commands sent."""
+    chunks = [packed] if isinstance(packed, (bytes, bytearray, memoryview, str)) else packed
+    data = b"".join(c.encode() if isinstance(c, str) else bytes(c) for c in chunks)
+    commands: list[list[bytes]] = []
+    pos = 0
+    while pos < len(data) and data[pos:pos + 1] == b"*":
+        end = data.index(b"\r\n", pos)
+        count, pos = int(data[pos + 1:end]), end + 2
+        items: list[bytes] = []
+        for _ in range(count):
+            end = data.index(b"\r\n", pos)
+            size, pos = int(data[pos + 1:end]), end + 2
+            if len(items) < 2:
+                items.append(data[pos:pos + size])
+            pos += size + 2
+        commands.append(items)
+    return commands
 
 
 def _text(value: Any) -> str:

@@ -33,7 +33,8 @@ from .policy import Mode, OnBusy, OnDuplicate, OnStoreError, Policy
 from .stores.base import SETTLE_AFTER, LockResult, LockState, Outcome, Store
 
 __all__ = [
-    "Deduplicator", "GateCall", "GateResult", "Heartbeat", "Identity", "StartResult", "Verdict",
+    "Deduplicator", "GateCall", "GateResult", "Heartbeat", "Identity", "SentGate", "StartResult",
+    "Verdict",
     "copy_wait", "resolve_duplicate",
 ]
 
@@ -227,6 +228,32 @@ class Deduplicator:
                 self._forget_reservation(identity.key, owner)
             return self.store_error(name, policy, identity.key, owner, exc, "enqueue")
         return self.verdict(name, identity, owner, result, time.perf_counter() - started)
+
+    def gate_send(
+        self,
+        name: str,
+        policy: Policy,
+        identity: Identity,
+        owner: str,
+        *,
+        ttl_ms: int,
+        fresh: bool = False,
+    ) -> SentGate | None:
+        """:meth:`gate`, sent now and answered later: the reservation goes out without
+        waiting for its reply, so the integration builds its message while Redis runs the
+        script, and :meth:`SentGate.result` gives what :meth:`gate` would have given (same
+        events, same ``on_store_error``, same errors). None when the store cannot send
+        without reading (no ``send_reserve``, or one that declines) or the policy has an
+        approximate window: then call :meth:`gate`."""
+        send = getattr(self.store, "send_reserve", None)
+        if send is None or policy.window is not None:
+            return None
+        replace = policy.on_duplicate is OnDuplicate.REPLACE
+        started = time.perf_counter()
+        sent = send(identity.key, owner, ttl_ms, identity.check, fresh=fresh, replace=replace)
+        if sent is None:
+            return None
+        return SentGate(self, name, policy, identity, owner, sent, started)
 
     def gate_many(
         self, calls: Sequence[GateCall]
@@ -688,6 +715,75 @@ def resolve_duplicate(
             f"finished (replace only takes the place of a queued {unit})",
         )
     return True
+
+
+class SentGate:
+    """A reservation :meth:`Deduplicator.gate_send` sent, answered by :meth:`result` (read
+    once, then kept); :meth:`abandon` for a call given up before its publish."""
+
+    __slots__ = ("_answer", "_dedup", "_identity", "_name", "_owner", "_policy", "_sent",
+                 "_started")
+
+    def __init__(self, dedup: Deduplicator, name: str, policy: Policy, identity: Identity,
+                 owner: str, sent: Any, started: float) -> None:
+        self._dedup = dedup
+        self._name = name
+        self._policy = policy
+        self._identity = identity
+        self._owner = owner
+        self._sent = sent
+        self._started = started
+        self._answer: GateResult | BaseException | None = None
+
+    @property
+    def answered(self) -> bool:
+        """Whether :meth:`result` was asked (its reply read, or its error raised)."""
+        return self._answer is not None
+
+    def result(self) -> GateResult:
+        """What :meth:`Deduplicator.gate` would have answered; raises what it would have
+        raised (once read, the same answer or error each time). ``seconds`` in the events is
+        the time from the send to the reply read, the work done meanwhile included."""
+        answer = self._answer
+        if answer is None:
+            answer = self._answer = self._read()
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    def _read(self) -> GateResult | BaseException:
+        dedup, policy, key = self._dedup, self._policy, self._identity.key
+        try:
+            try:
+                lock = self._sent.read()
+            except StoreUnavailableError as exc:
+                if policy.on_store_error is OnStoreError.RAISE:
+                    dedup._forget_reservation(key, self._owner)
+                return dedup.store_error(self._name, policy, key, self._owner, exc, "enqueue")
+            return dedup.verdict(self._name, self._identity, self._owner, lock,
+                                 time.perf_counter() - self._started)
+        except (IdempotencyKeyMismatch, StoreUnavailableError) as error:
+            return error
+
+    def abandon(self) -> None:
+        """The call was given up before its publish (an error on the way): read the answer
+        and take back a reservation it made. Never raises; a reply that cannot be read
+        closes its connection."""
+        if self._answer is not None:
+            return
+        try:
+            answer = self._answer = self._read()
+        except BaseException:
+            self._sent.discard()
+            raise
+        if isinstance(answer, GateResult) and answer.verdict in (Verdict.ACCEPTED,
+                                                                 Verdict.REPLACED):
+            try:
+                self._dedup.release(self._name, self._identity.key, self._owner,
+                                    reason="publish_failed")
+            except Exception:  # Redis down meanwhile: it expires with its ttl
+                logger.debug("taskdedup: could not take back the reservation of %s",
+                             self._owner)
 
 
 class Heartbeat:

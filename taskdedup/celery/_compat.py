@@ -16,6 +16,11 @@ code (one INFO line says why). Features are detected, never version strings comp
 - ``_publish_batch`` (a ``put`` keyword) / ``create_publish_batch``: ``producer.batch()``,
   kombu 5.7.
 
+The gated publish with the locks apart (:class:`GatedProducer`) hands Celery's ``send_task``
+a producer of its own, and relies on ``send_task`` publishing a task message through that
+producer's ``publish`` once (again only to retry it); :func:`gated_publish_missing` checks it
+once, and without it each gated publish reserves first, then publishes.
+
 The reliable fetch (:mod:`taskdedup.celery.fetch`) overrides the channel's consuming seams:
 ``_brpop_start`` (send the wait for the next message on the event loop's connection) and
 ``_brpop_read`` (read its reply and ``connection._deliver`` it), which the channel's
@@ -48,6 +53,7 @@ from ..events import logger
 
 __all__ = [
     "Channel",
+    "GatedProducer",
     "RedisQoS",
     "SentinelChannel",
     "SentinelTransport",
@@ -59,6 +65,7 @@ __all__ = [
     "flush_publish_batch",
     "forget_pending",
     "fused_push_missing",
+    "gated_publish_missing",
     "message_id",
     "priority_queue_keys",
     "publish_topic_keys",
@@ -204,6 +211,76 @@ def forget_pending(task: Any, task_id: str) -> None:
             cancel(task_id)
         except Exception:  # best effort: it only frees a subscription
             logger.debug("taskdedup: could not cancel the result subscription of %s", task_id)
+
+
+class GatedProducer:
+    """The producer handed to Celery's ``send_task`` (its public ``producer=``) for a gated
+    publish whose reservation is on its way (:meth:`taskdedup.core.Deduplicator.gate_send`):
+    Celery builds the message meanwhile, and its one ``producer.publish`` asks ``decide``
+    first (which reads the reservation's reply): the message goes out only when the gate let
+    it through. Everything else is the wrapped producer's (``connection``, ``channel``,
+    ``revive``, …). Celery calls ``publish`` again only to retry a failed publish (a worker's
+    callback, kombu 5.7's retry loop): the decision is taken once.
+
+    Private detail relied on: Celery's ``send_task`` publishes a task message with the given
+    producer's ``publish`` (checked by :func:`gated_publish_missing`); the caller only uses
+    this where nothing listens to Celery's publish signals, so a message refused here is never
+    announced as sent.
+    """
+
+    __slots__ = ("_decide", "_producer", "state")
+
+    PENDING, REFUSED, PUBLISHING = 0, 1, 2
+
+    def __init__(self, producer: Any, decide: Any) -> None:
+        self._producer = producer
+        self._decide = decide
+        self.state = GatedProducer.PENDING
+        """PENDING until Celery publishes; REFUSED when ``decide`` said no (or raised: the
+        error reaches the caller through Celery); PUBLISHING once the message was handed to
+        the wrapped producer."""
+
+    def publish(self, body: Any, *args: Any, **kwargs: Any) -> Any:
+        state = self.state
+        if state == GatedProducer.PENDING:
+            self.state = state = GatedProducer.REFUSED
+            if self._decide():
+                self.state = state = GatedProducer.PUBLISHING
+        if state == GatedProducer.REFUSED:
+            return None
+        return self._producer.publish(body, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._producer, name)
+
+
+_GATED_PUBLISH_MISSING: list[str | None] = []
+
+
+def gated_publish_missing() -> str | None:
+    """What of Celery :class:`GatedProducer` relies on is missing, or None (checked once):
+    ``send_task`` publishing through ``amqp.send_task_message`` with the producer it was
+    given, whose ``publish`` sends the message."""
+    if not _GATED_PUBLISH_MISSING:
+        missing: str | None = None
+        try:
+            from celery.app import amqp, base
+
+            send_task = inspect.getsource(base.Celery.send_task)
+            sender = inspect.getsource(amqp.AMQP._create_task_sender)
+        except (AttributeError, ImportError, OSError, TypeError) as exc:
+            missing = f"Celery's send_task cannot be inspected ({exc})"
+        else:
+            if "producer_or_acquire(producer)" not in send_task or (
+                    "send_task_message(P," not in send_task):
+                missing = "Celery's send_task does not publish with the producer it is given"
+            elif "producer.publish" not in sender:
+                missing = "Celery's send_task_message does not call producer.publish"
+        _GATED_PUBLISH_MISSING.append(missing)
+        if missing:
+            logger.info("taskdedup: each gated publish with the locks apart reserves, then "
+                        "publishes (%s)", missing)
+    return _GATED_PUBLISH_MISSING[0]
 
 
 def request_dict(request: Any) -> Mapping[str, Any]:

@@ -3,9 +3,11 @@
 The caller computes the identity, reserves it and puts the lock key in the message headers,
 so the worker never recomputes it. On a Redis broker that holds the locks the reservation
 rides in the push (:mod:`taskdedup.celery.transport`: one round trip per publish); with the
-locks elsewhere it is a round trip of its own, which :func:`taskdedup.celery.batch`
-pipelines for many calls. On the worker, ``before_start`` claims the lock and skips the body
-of a duplicate with :class:`DuplicateExecution` (an ``Ignore``); the signal handlers of
+locks elsewhere it is a round trip of its own, sent before Celery builds the message and
+read just before the broker publish (``_publish_overlapped``: the wait hides under Celery's
+own work), and :func:`taskdedup.celery.batch` pipelines it for many calls. On the worker,
+``before_start`` claims the lock and skips the body of a duplicate with
+:class:`DuplicateExecution` (an ``Ignore``); the signal handlers of
 :mod:`taskdedup.celery.signals` complete or release it.
 """
 
@@ -25,7 +27,15 @@ from celery.exceptions import Ignore, Retry
 from celery.signals import after_task_publish, before_task_publish
 
 from .. import flow, running
-from ..core import Identity, Verdict, copy_wait, resolve_duplicate, skipped_of, skipped_value
+from ..core import (
+    Identity,
+    SentGate,
+    Verdict,
+    copy_wait,
+    resolve_duplicate,
+    skipped_of,
+    skipped_value,
+)
 from ..events import logger
 from ..exceptions import (
     BusyTimeoutError,
@@ -173,20 +183,21 @@ class DedupTask(Task):  # type: ignore[misc]
 
         headers = dict(options.get("headers") or {})
         dedup = get_deduplicator(self.app)
-        carried = dedup.trusted_key(self.name, policy, carried_key(headers.get(HEADER),
-                                                                   self.name))
+        previous = headers.get(HEADER)
+        carried = None if previous is None else dedup.trusted_key(
+            self.name, policy, carried_key(previous, self.name))
         if carried is not None:  # a retry or a republish: same identity, same id
             identity = Identity(carried)
         else:
             identity = dedup.identity(
                 self.name, policy, args or (), kwargs, func=self._func(), dedup_key=dedup_key
             )
-        previous = headers.get(HEADER)
         headers[HEADER] = {"task": self.name, "key": identity.key}
         coalesce = False
+        is_eager = self.app.conf.task_always_eager  # read once: a lookup costs microseconds
         if carried is not None and isinstance(previous, Mapping):  # a republish keeps them
             headers[HEADER].update({f: previous[f] for f in _FLOW_FIELDS if f in previous})
-        elif not (no_reserve or outbox or self.app.conf.task_always_eager):
+        elif not (no_reserve or outbox or is_eager):
             if policy.debounce is not None:
                 return self._publish_debounced(policy, identity, task_id, publish, headers,
                                                options)
@@ -202,7 +213,6 @@ class DedupTask(Task):  # type: ignore[misc]
         given = task_id
         task_id = task_id or str(uuid.uuid4())
         ttl_ms = _reservation_ttl_ms(policy, options, self)
-        is_eager = self.app.conf.task_always_eager
         pending = BATCH.get()
         if (fuses(self.app) and not is_eager and self._dedup_duplicate_rate < _CHECK_FIRST_ABOVE
                 and not _announces_publishes(self.app)):
@@ -223,6 +233,18 @@ class DedupTask(Task):  # type: ignore[misc]
             # without the gate, reserve in a round trip of its own below.
         if coalesce:  # its gate in a round trip of its own (flow.coalesce), then the push
             return self._publish_coalesced(policy, identity, given, publish, headers, options)
+        if (pending is None and not is_eager and not outbox
+                and self._dedup_duplicate_rate < _CHECK_FIRST_ABOVE
+                and not _announces_publishes(self.app) and _compat.gated_publish_missing() is None):
+            # A message built for nothing costs more than the wait when most calls are
+            # duplicates: then (as with the fused push) the gate goes first.
+            sent = get_deduplicator(self.app).gate_send(
+                self.name, policy, identity, task_id, ttl_ms=ttl_ms,
+                fresh=fresh and given is not None)  # a new id: a lost reply is sent again
+            if sent is not None:
+                return self._publish_overlapped(policy, identity, task_id, sent, publish,
+                                                headers, link, link_error, options, given,
+                                                producer)
         if pending is not None and not is_eager and not outbox:
             return pending.defer(Deferred(self, policy, identity, task_id, ttl_ms, publish,
                                           headers, link, link_error, options, fresh, given))
@@ -253,6 +275,56 @@ class DedupTask(Task):  # type: ignore[misc]
             if result.verdict is not Verdict.UNGUARDED:
                 dedup.release(self.name, identity.key, task_id, reason="publish_failed")
             raise
+
+    def _publish_overlapped(
+        self, policy: Policy, identity: Identity, task_id: str, sent: SentGate,
+        publish: Callable[..., Any], headers: dict[str, Any],
+        link: Any, link_error: Any, options: Mapping[str, Any], given: str | None,
+        producer: Any,
+    ) -> Any:
+        """:meth:`_gate_and_publish` with the reservation's round trip under Celery's own
+        work: the reservation was sent (``sent``), Celery builds the message, and the reply is
+        read just before the broker publish (:class:`~taskdedup.celery._compat.GatedProducer`),
+        which goes out only for a call the gate let through. Same outcomes as
+        :meth:`_gate_and_publish`: a duplicate is not published (``_on_duplicate``), a
+        replaced id is revoked before the publish, a failed publish releases the reservation
+        before the error reaches the caller, a store error follows ``on_store_error``.
+        Used only where nothing listens to Celery's publish signals (a duplicate goes through
+        Celery's ``send_task`` without a message sent)."""
+
+        def decide() -> bool:
+            result = sent.result()
+            self._note_outcome(result.verdict is Verdict.DUPLICATE)
+            if result.verdict is Verdict.DUPLICATE:
+                return False
+            if result.verdict is Verdict.REPLACED and result.existing_id:
+                self._revoke(result.existing_id)
+            return True
+
+        with self.app.producer_or_acquire(producer) as acquired:
+            gated = _compat.GatedProducer(acquired, decide)
+            try:
+                handle = publish(task_id, headers, gated)
+            except BaseException:
+                if gated.state == gated.PUBLISHING:
+                    if sent.result().verdict is not Verdict.UNGUARDED:
+                        get_deduplicator(self.app).release(
+                            self.name, identity.key, task_id, reason="publish_failed")
+                elif not sent.answered:  # Celery failed before its publish
+                    sent.abandon()
+                raise
+        result = sent.result()
+        if gated.state == gated.PENDING:
+            # Celery returned without publishing through the producer it was given: it may
+            # have published another way; the message carries its lock key either way.
+            logger.warning("taskdedup: %s[%s] was not published through taskdedup's producer "
+                           "(its reservation is kept)", self.name, task_id)
+            self._note_outcome(result.verdict is Verdict.DUPLICATE)
+        if result.verdict is Verdict.DUPLICATE:
+            _compat.forget_pending(self, task_id)  # it was never sent
+            return self._on_duplicate(policy, identity.key, result.existing_id, task_id, given,
+                                      publish, headers, link, link_error, options)
+        return handle
 
     def _publish_fused(
         self, policy: Policy, identity: Identity, task_id: str, ttl_ms: int,

@@ -49,7 +49,7 @@ from .base import LockInfo, LockResult, LockState, Outcome, Remembered
 from .memory import check_check, check_ms, check_owner, parse_value
 from .trail import Trails
 
-__all__ = ["RedisStore"]
+__all__ = ["RedisStore", "SentReserve"]
 
 _hiredis_pack: Callable[[tuple[Any, ...]], bytes] | None
 try:
@@ -395,6 +395,60 @@ class RedisStore:
         return _result(self._eval_window(self._reserve, "reserve", key, window, owner, ttl_ms,
                                          check, "1" if fresh else "0"))
 
+    def send_reserve(
+        self, key: str, owner: str, ttl_ms: int, check: str = "", *, fresh: bool = False,
+        replace: bool = False,
+    ) -> SentReserve | None:
+        """Send :meth:`reserve` (or :meth:`replace`) without waiting for its reply, so the
+        caller can do other work (build its message) while Redis runs the script; read the
+        answer with :meth:`SentReserve.read`. None when this client lends no connection of
+        its own (a single-connection client, Cluster, a redis-py without what the raw
+        exchange needs): then call :meth:`reserve`.
+
+        The command goes out on a connection taken from the pool for this call alone
+        (thread safe), which goes back once the reply is read; a connection error while
+        sending falls back to :meth:`reserve` through the client (its retries, its errors).
+        """
+        if self._take_connection is None:
+            return None
+        check_owner(owner)
+        check_ms("ttl_ms", ttl_ms)
+        if check:  # "" (no explicit key) needs no pattern
+            check_check(check)
+        script = self._replace if replace else self._reserve
+        command = ("EVALSHA", script.sha, 1, key, owner, ttl_ms, check, "1" if fresh else "0")
+        sent = SentReserve(self, script, command)
+        try:
+            conn = self._lend()
+        except RedisError:
+            return sent  # read() makes the call through the client
+        try:
+            conn.send_packed_command(
+                [_hiredis_pack(command)] if _hiredis_pack is not None
+                else conn.pack_command(*command))
+        except BaseException as exc:
+            self._drop(conn)
+            if not isinstance(exc, RedisError):
+                raise
+            return sent
+        sent.conn = conn
+        return sent
+
+    def _lend(self) -> Any:
+        """A connection of the client's pool for one send and its read (thread safe)."""
+        return self._take_connection()  # type: ignore[misc]
+
+    def _give_back(self, conn: Any) -> None:
+        """Return a connection whose reply was read to the pool."""
+        self.client.connection_pool.release(conn)
+
+    def _drop(self, conn: Any) -> None:
+        """Close ``conn`` (whatever it holds unread) and give it back to the pool."""
+        try:
+            conn.disconnect()
+        finally:
+            self.client.connection_pool.release(conn)
+
     def replace(
         self, key: str, owner: str, ttl_ms: int, check: str = "", *, fresh: bool = False,
         window: Probe | None = None,
@@ -712,6 +766,84 @@ class RedisStore:
     def close(self) -> None:
         """Close the client (its connections are returned and disconnected)."""
         self.client.close()
+
+
+class SentReserve:
+    """A reservation sent by :meth:`RedisStore.send_reserve` whose reply is not read yet.
+
+    Read it once with :meth:`read`. Its connection is never handed back with a reply left
+    on it: :meth:`read` consumes the reply (or drops the connection on any error), and so
+    does :meth:`discard`, for a caller that no longer wants the answer.
+    """
+
+    __slots__ = ("_command", "_script", "_store", "conn")
+
+    def __init__(self, store: RedisStore, script: Script, command: tuple[Any, ...]) -> None:
+        self._store = store
+        self._script = script
+        self._command = command
+        self.conn: Any = None
+        """The connection the command went out on; None once read (or when it could not be
+        sent: then :meth:`read` makes the call through the client)."""
+
+    def read(self) -> LockResult:
+        """The store's answer, as :meth:`RedisStore.reserve` gives it.
+
+        A connection that broke before the reply came is dropped and the call made again
+        through the client, as the client's own retry policy would send it again (the lost
+        command may have run: a caller whose owner is an id made for this call passes
+        ``fresh=False``, so its own reservation is then accepted again). NOSCRIPT is
+        answered with EVAL through the client.
+
+        Raises:
+            StoreUnavailableError: the store answered an error or cannot be reached.
+        """
+        conn, self.conn = self.conn, None
+        store = self._store
+        _, _, _, key, owner, ttl_ms, check, fresh = self._command
+        action = "replace" if self._script is store._replace else "reserve"
+        command = "EVALSHA"
+        if conn is not None:
+            try:
+                reply = conn.read_response(disable_decoding=True)
+            except NoScriptError:
+                store._give_back(conn)  # the reply is read: clean
+                command = "EVAL"  # runs it and caches it again: one more round trip, once
+            except ResponseError as exc:
+                store._give_back(conn)
+                raise store._unavailable(f"{action} {key!r}", exc) from exc
+            except (RedisConnectionError, RedisTimeoutError):
+                store._drop(conn)  # sent again below, as the client would retry it
+            except BaseException:
+                store._drop(conn)
+                raise
+            else:
+                store._give_back(conn)
+                return _result(reply)
+        # not sent, or a reply lost: the client's own call (EVAL on NOSCRIPT)
+        if command == "EVALSHA":
+            return _result(store._eval(self._script, action, key, owner, ttl_ms, check, fresh))
+        try:
+            reply = store.client.execute_command(  # type: ignore[no-untyped-call]
+                "EVAL", self._script.script, 1, key, owner, ttl_ms, check, fresh, **_RAW)
+        except RedisError as exc:
+            raise store._unavailable(f"{action} {key!r}", exc) from exc
+        return _result(reply)
+
+    def discard(self) -> None:
+        """Give the connection back without the answer: read and dropped when it is there
+        (the connection closed on any error), so nothing is left unread on it."""
+        conn, self.conn = self.conn, None
+        if conn is None:
+            return
+        try:
+            conn.read_response(disable_decoding=True)
+        except ResponseError:
+            pass
+        except BaseException:
+            self._store._drop(conn)
+            return
+        self._store._give_back(conn)
 
 
 def may_have_run(exc: StoreUnavailableError) -> bool:
