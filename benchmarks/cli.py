@@ -23,8 +23,8 @@ from rich.markup import escape
 from .harness import Row, Sizes
 
 SECTIONS = (
-    "floor", "identity", "realistic", "celery", "rq", "breakdown", "workers", "bulk", "memory",
-    "approximate", "limits",
+    "floor", "identity", "realistic", "celery", "apart", "rq", "breakdown", "workers", "bulk",
+    "memory", "approximate", "limits",
 )
 
 
@@ -116,6 +116,13 @@ def _run(url: str, sizes: Sizes, sections: list[str], args: argparse.Namespace,
     section("identity", lambda: micro.fingerprints(ctx))
     section("realistic", lambda: realistic.realistic_publish(ctx))
     section("celery", lambda: publish.celery_publish(ctx))
+
+    def apart_section() -> list[Row]:
+        from .apart import apart_publish
+
+        return apart_publish(ctx)
+
+    section("apart", apart_section)
     section("rq", lambda: publish.rq_enqueue(ctx))
 
     def breakdown() -> list[Row]:

@@ -37,7 +37,8 @@ __all__ = [
 PLAIN = "plain Celery apply_async"
 RQ_PLAIN = "plain RQ Queue.enqueue"
 SEPARATE = "taskdedup DedupTask, gate in its own round trip"
-"""Locks configured apart from the broker (``taskdedup_url``): reserve, then publish."""
+"""Locks configured apart from the broker (``taskdedup_url``): the reservation is its own
+round trip, sent before Celery builds the message and read just before the publish."""
 FUSED = "taskdedup DedupTask, reserve inside the push (default)"
 """A ``redis://`` broker holding the locks: ``RedisTransport``, one script per publish."""
 BATCHED = "taskdedup DedupTask, own round trip, loop in batch()"
@@ -297,7 +298,9 @@ def _parts(ctx: Context, section: str, key_of: Callable[[Any], str],
     columns = list(zip(*samples.values(), strict=True))
     if gate is not None:
         rest = [total - ident - res - pub for ident, res, pub, total in columns]
-        note = "total - identity - reserve - plain, per run"
+        note = ("total - identity - reserve - plain, per run (the reserve's wait hides under "
+                "the framework's message build: what is left of it, the wrapper, can be "
+                "below 0)")
     else:
         rest = [total - ident - pub for ident, pub, total in columns]
         note = ("total - identity - plain, per run: the wrapper and the script's extra "

@@ -19,7 +19,7 @@ import redis
 from rich.console import Console
 from rich.table import Table
 
-from . import realistic
+from . import apart, realistic
 from .harness import Row, Sizes
 
 __all__ = ["Bar", "bars", "machine", "memory_bars", "print_bars", "print_table",
@@ -178,6 +178,11 @@ def bars(rows: list[Row], memory_keys: int) -> list[Bar]:
     for peer in ("celery-once", "celery-singleton"):
         out.append(ahead_bar(f"Realistic app: ahead of {peer} in the same run",
                              real.get(realistic.GATED), real.get(peer)))
+
+    rabbit = {row.name: row for row in rows if row.section == apart.SECTION}
+    for peer in ("celery-once QueueOnce", "celery-singleton Singleton"):
+        out.append(ahead_bar(f"RabbitMQ broker, locks in Valkey: ahead of {peer.split()[0]} "
+                             "in the same run", rabbit.get(apart.GATED), rabbit.get(peer)))
 
     celery_d = _find(rows, "celery publish (distinct)", SEPARATE)
     plain_d = _find(rows, "celery publish (distinct)", "plain Celery apply_async")
