@@ -349,3 +349,17 @@ def test_threads_publishing_the_same_calls_publish_each_once(
     assert len(queued) == 10 and len(set(queued)) == 10
     assert {h.id for h in handles} == set(queued)
     idle(app)
+
+
+def test_a_publish_on_a_connection_of_the_callers_is_gated_first(
+    app: Celery, redis_client: redis.Redis
+) -> None:
+    """``connection=``: Celery publishes with a producer of its own on that connection, which
+    the gate cannot stand in front of; the reply is read before the publish instead."""
+    task = declare(app, ttl=60)
+    with app.connection_for_write() as conn:
+        first = task.apply_async((1,), connection=conn)
+        again = task.apply_async((1,), connection=conn)
+    assert again.id == first.id
+    assert queued_ids(redis_client, app) == [first.id]
+    idle(app)

@@ -233,11 +233,12 @@ class DedupTask(Task):  # type: ignore[misc]
             # without the gate, reserve in a round trip of its own below.
         if coalesce:  # its gate in a round trip of its own (flow.coalesce), then the push
             return self._publish_coalesced(policy, identity, given, publish, headers, options)
-        if (pending is None and not is_eager and not outbox
+        if (pending is None and not is_eager and not outbox and not options.get("connection")
                 and self._dedup_duplicate_rate < _CHECK_FIRST_ABOVE
                 and not _announces_publishes(self.app) and _compat.gated_publish_missing() is None):
             # A message built for nothing costs more than the wait when most calls are
-            # duplicates: then (as with the fused push) the gate goes first.
+            # duplicates: then (as with the fused push) the gate goes first. With
+            # connection=, Celery makes a producer of its own: the gate goes first too.
             sent = get_deduplicator(self.app).gate_send(
                 self.name, policy, identity, task_id, ttl_ms=ttl_ms,
                 fresh=fresh and given is not None)  # a new id: a lost reply is sent again
