@@ -363,3 +363,25 @@ def test_a_publish_on_a_connection_of_the_callers_is_gated_first(
     assert again.id == first.id
     assert queued_ids(redis_client, app) == [first.id]
     idle(app)
+
+
+def test_no_producer_to_be_had_reads_the_reply_and_takes_the_reservation_back(
+    app: Celery, redis_client: redis.Redis, gate_not_called: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The broker's producer pool fails after the reservation was sent: the error reaches
+    the caller, the reply is read (its connection back in the pool) and the reservation
+    released."""
+    task = declare(app, ttl=60)
+    task.delay("warm")
+
+    def exhausted(*_: Any, **__: Any) -> Any:
+        raise OperationalError("no producer")
+
+    monkeypatch.setattr(app, "producer_or_acquire", exhausted)
+    with pytest.raises(OperationalError, match="no producer"):
+        task.delay(1)
+    monkeypatch.undo()
+    idle(app)
+    assert lock_of(app, task, 1) is None
+    assert get_deduplicator(app).counters.get(Event.RELEASED, task.name) == 1

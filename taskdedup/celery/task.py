@@ -302,18 +302,19 @@ class DedupTask(Task):  # type: ignore[misc]
                 self._revoke(result.existing_id)
             return True
 
-        with self.app.producer_or_acquire(producer) as acquired:
-            gated = _compat.GatedProducer(acquired, decide)
-            try:
+        gated: _compat.GatedProducer | None = None
+        try:
+            with self.app.producer_or_acquire(producer) as acquired:
+                gated = _compat.GatedProducer(acquired, decide)
                 handle = publish(task_id, headers, gated)
-            except BaseException:
-                if gated.state == gated.PUBLISHING:
-                    if sent.result().verdict is not Verdict.UNGUARDED:
-                        get_deduplicator(self.app).release(
-                            self.name, identity.key, task_id, reason="publish_failed")
-                elif not sent.answered:  # Celery failed before its publish
-                    sent.abandon()
-                raise
+        except BaseException:
+            if gated is not None and gated.state == gated.PUBLISHING:
+                if sent.result().verdict is not Verdict.UNGUARDED:
+                    get_deduplicator(self.app).release(
+                        self.name, identity.key, task_id, reason="publish_failed")
+            elif not sent.answered:  # no producer, or Celery failed before its publish
+                sent.abandon()
+            raise
         result = sent.result()
         if gated.state == gated.PENDING:
             # Celery returned without publishing through the producer it was given: it may
