@@ -365,7 +365,7 @@ def write_section_json(console: Console, path: Path | None, sizes: Any, rows: li
         console.print(f"wrote {path}")
 
 
-# -- markdown (docs/performance.md) -------------------------------------------------------------
+# -- markdown (docs/explanation/performance.md) ---------------------------------------------------
 
 
 def rows_from_json(document: dict[str, Any]) -> list[Row]:
