@@ -117,3 +117,27 @@ def test_a_single_connection_client_completes_at_once(redis_url: str,
     dedup.finish(NAME, POLICY, key, owner, success=True, later=True)
     assert [e.event for e in seen if e.task_id == owner][-1] is Event.COMPLETED
     assert redis_client.get(key) == f"D||{owner}".encode()
+
+
+def test_a_user_without_script_load_completes_at_once_and_stops_trying(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    """SCRIPT LOAD refused: the completion waits for its reply as before, and the store does
+    not ask again for every task."""
+    user = f"later-{uuid.uuid4().hex[:8]}"
+    redis_client.acl_setuser(user, enabled=True, passwords=["+pw"], keys=["*"],
+                             commands=["+@all", "-script|load"])
+    try:
+        host, port = redis_client.connection_pool.connection_kwargs["host"], \
+            redis_client.connection_pool.connection_kwargs["port"]
+        store = RedisStore(redis.Redis(host=host, port=port, username=user, password="pw"))
+        dedup = Deduplicator(store)
+        seen = _events(dedup)
+        for _ in range(2):
+            key, owner = _run_body(dedup, uuid.uuid4().hex)
+            dedup.finish(NAME, POLICY, key, owner, success=True, later=True)
+            assert [e.event for e in seen if e.task_id == owner][-1] is Event.COMPLETED
+            assert redis_client.get(key) == f"D||{owner}".encode()
+        assert store._trails is None
+    finally:
+        redis_client.acl_deluser(user)

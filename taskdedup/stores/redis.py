@@ -518,6 +518,10 @@ class RedisStore:
         if not self._complete_loaded:  # else the first one would be NOSCRIPT, done at settle
             try:
                 self.client.script_load(self._complete.script)
+            except (NoPermissionError, ResponseError):  # a user without SCRIPT LOAD
+                trails, self._trails = self._trails, None  # completions wait, as before
+                trails.settle()
+                return False
             except RedisError:
                 return False
             self._complete_loaded = True

@@ -82,7 +82,9 @@ class Trails:
             try:
                 if conn is None:
                     conn = trail.conn = self._take()
-                conn.send_packed_command(self._pack(conn, [command]))
+                # redis-py's health check PINGs and reads: never with replies owed
+                conn.send_packed_command(self._pack(conn, [command]),
+                                         check_health=not trail.replies)
             except (RedisError, OSError):
                 if conn is not None:
                     conn.disconnect()
