@@ -452,7 +452,8 @@ class Deduplicator:
         Store errors are logged, not raised: the lock then frees itself within ``lease``.
         ``later``: a worker's success whose completion need not hold up its next task — the
         completion is sent at once and its reply read later (a store with
-        ``complete_later``, exact windows); what it answers is reported then.
+        ``complete_later``, exact windows): ``completed`` is emitted when it is sent, and a
+        lock found gone when the reply is read is reported then (``lease_lost``).
         """
         self.stop_heartbeat(key, owner)
         if policy.mode is Mode.UNTIL_EXECUTING:
@@ -469,9 +470,13 @@ class Deduplicator:
         complete_later = getattr(self.store, "complete_later", None) if later else None
         if probe is None and complete_later is not None:
             def report(outcome: Outcome | StoreUnavailableError) -> None:
-                self._completed(name, policy, key, owner, outcome)
+                if outcome is not Outcome.OK:  # ``completed`` was said at the send
+                    self._completed(name, policy, key, owner, outcome)
 
             if complete_later(key, owner, ttl_ms, report, finished_ms=finished_ms):
+                # said now, inside the task's span and logs; a lock found gone when the reply
+                # is read follows as lease_lost
+                self._emit(Event.COMPLETED, name, key, owner)
                 self.heartbeat().settle_soon(self.store)
                 return
         try:
