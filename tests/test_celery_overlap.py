@@ -251,11 +251,15 @@ def test_a_reply_lost_with_its_connection_is_asked_again_and_published_once(
     app: Celery, redis_client: redis.Redis, gate_not_called: None,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The connection breaks after the reservation ran: the call is made again through the
-    client (as its retry would), and this call's own reservation lets it through."""
+    """The connection breaks after the reservation ran, on a client that retries that error
+    (``retry_on_error``): the call is made again through the client, as its own call would
+    be, and this call's own reservation lets it through."""
     task = declare(app, ttl=60)
     task.delay("warm")
-    connection_class = get_deduplicator(app).store.client.connection_pool.connection_class
+    pool = get_deduplicator(app).store.client.connection_pool
+    monkeypatch.setitem(pool.connection_kwargs, "retry_on_error", [redis.ConnectionError])
+    pool.reset()  # new connections take the setting
+    connection_class = pool.connection_class
     real = connection_class.read_response
     broken = iter([True])
 
@@ -269,6 +273,33 @@ def test_a_reply_lost_with_its_connection_is_asked_again_and_published_once(
     handle = task.delay(1)
     assert queued_ids(redis_client, app)[1:] == [handle.id]
     assert lock_of(app, task, 1) == (LockState.QUEUED, handle.id)
+    idle(app)
+
+
+def test_a_reply_lost_on_a_client_that_does_not_retry_raises_and_sends_nothing(
+    app: Celery, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The default client retries no command: a lost reply is the caller's
+    StoreUnavailableError (on_store_error='raise'), nothing is published, and the
+    reservation is taken back, so the caller's retry goes through."""
+    task = declare(app, ttl=60)
+    task.delay("warm")
+    connection_class = get_deduplicator(app).store.client.connection_pool.connection_class
+    real = connection_class.read_response
+    broken = iter([True])
+
+    def lose(self: Any, *args: Any, **kwargs: Any) -> Any:
+        reply = real(self, *args, **kwargs)
+        if next(broken, False):
+            raise redis.ConnectionError("connection reset")
+        return reply
+
+    monkeypatch.setattr(connection_class, "read_response", lose)
+    with pytest.raises(StoreUnavailableError):
+        task.delay(1)
+    assert queued_ids(redis_client, app)[1:] == []
+    retry = task.delay(1)
+    assert queued_ids(redis_client, app)[1:] == [retry.id]
     idle(app)
 
 

@@ -793,10 +793,11 @@ class SentReserve:
     def read(self) -> LockResult:
         """The store's answer, as :meth:`RedisStore.reserve` gives it.
 
-        A connection that broke before the reply came is dropped and the call made again
-        through the client, as the client's own retry policy would send it again (the lost
-        command may have run: a caller whose owner is an id made for this call passes
-        ``fresh=False``, so its own reservation is then accepted again). NOSCRIPT is
+        A connection that broke before the reply came is dropped; the call is made again
+        through the client only when the client retries that error (``retry_on_error``),
+        as its own call would (the lost command may have run: a caller whose owner is an id
+        made for this call passes ``fresh=False``, so its own reservation is then accepted
+        again); else it is a :class:`StoreUnavailableError`, as from :meth:`reserve`. NOSCRIPT is
         answered with EVAL through the client.
 
         Raises:
@@ -816,8 +817,11 @@ class SentReserve:
             except ResponseError as exc:
                 store._give_back(conn)
                 raise store._unavailable(f"{action} {key!r}", exc) from exc
-            except (RedisConnectionError, RedisTimeoutError):
-                store._drop(conn)  # sent again below, as the client would retry it
+            except (RedisConnectionError, RedisTimeoutError) as exc:
+                store._drop(conn)
+                # sent again below only where the client's own call would retry it
+                if not isinstance(exc, tuple(getattr(conn, "retry_on_error", None) or ())):
+                    raise store._unavailable(f"{action} {key!r}", exc) from exc
             except BaseException:
                 store._drop(conn)
                 raise
