@@ -3,8 +3,8 @@
 The completion is on the server as soon as ``finish(later=True)`` returns (another client
 reads DONE at once), and ``completed`` is emitted then; its reply is read on the worker's next
 claim or by the heartbeat thread within ``SETTLE_AFTER``, and a lock found gone is reported
-then (``lease_lost`` with its WARNING). A connection broken or a script cache flushed before the reply is read has the
-completion made again: it is idempotent for its owner.
+then (``lease_lost`` with its WARNING). A connection broken or a script cache flushed before
+the reply is read has the completion made again: it is idempotent for its owner.
 """
 
 from __future__ import annotations
