@@ -19,8 +19,7 @@ import socket
 import subprocess
 import tempfile
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +30,9 @@ from taskdedup.celery import DedupTask
 from taskdedup.testing import free_port
 
 from . import apps
-from .harness import Row, interleaved, purge, rate
+from .harness import Row, purge
 from .micro import Context
-from .publish import RUN_ARG, count_round_trips
+from .realistic import publish_rows
 
 __all__ = ["SECTION", "RabbitMQ", "apart_publish", "find_rabbitmq"]
 
@@ -182,10 +181,6 @@ def _app(broker: str, locks: str) -> tuple[Celery, dict[str, Any]]:
     return app, tasks
 
 
-def _argv(tag: str, n: int) -> list[tuple[Any, ...]]:
-    return [(i, 5000, "EUR", f"ORD-{tag}-{i}", RUN_ARG) for i in range(n)]
-
-
 @contextlib.contextmanager
 def _broker(ctx: Context) -> Iterator[str | None]:
     """A RabbitMQ URL (``TASKDEDUP_BENCH_AMQP`` or a node started here), or None."""
@@ -213,7 +208,7 @@ def apart_publish(ctx: Context) -> list[Row]:
 
 
 def _measure(ctx: Context, url: str) -> list[Row]:
-    client, n, k = ctx.client, ctx.sizes.publish, ctx.sizes.count_ops
+    client = ctx.client
     app, tasks = _app(url, ctx.url)
     rows: list[Row] = []
     try:
@@ -232,46 +227,8 @@ def _measure(ctx: Context, url: str) -> list[Row]:
                 purge_queue()
                 purge(client, *_LOCKS[label])
 
-            for label, task in tasks.items():  # connections, scripts, the queue's declaration
-                reset(label)
-                for args in _argv(f"warm-{uuid.uuid4().hex}", 20):
-                    task.apply_async(args)
-            published: dict[str, int] = {}
-
-            def variant(label: str, task: Any) -> Callable[[int], float]:
-                def one(run: int) -> float:
-                    reset(label)
-                    argv = _argv(f"{run}-{uuid.uuid4().hex}", n)
-                    apply = task.apply_async
-
-                    def body(count: int) -> None:
-                        for args in argv:
-                            apply(args)
-
-                    sample = rate(body, n)
-                    published[label] = queued()
-                    return sample
-
-                return one
-
-            samples, ratios = interleaved(
-                {label: variant(label, task) for label, task in tasks.items()},
-                ctx.sizes.runs, baseline=PLAIN)
-            for label, task in tasks.items():
-                reset(label)
-                argv = _argv(f"count-{uuid.uuid4().hex}", k)
-                rts, server, sent = count_round_trips(
-                    ctx, lambda i, t=task, a=argv: t.apply_async(a[i]), k)
-                note = ("" if published[label] == n
-                        else f"published {published[label]}, expected {n}")
-                rows.append(Row(
-                    SECTION, label, "publishes/s", samples[label],
-                    baseline=None if label == PLAIN else PLAIN, ratios=ratios.get(label),
-                    round_trips=rts, commands=server, note=note,
-                    extra={"redis_client_commands": sent, "broker": "RabbitMQ",
-                           "messages_published_last_run": published[label]},
-                ))
-                reset(label)
+            rows = publish_rows(ctx, SECTION, tasks, reset, queued,
+                                extra={"broker": "RabbitMQ"})
             with contextlib.suppress(Exception):
                 channel.queue_delete(QUEUE)
     finally:

@@ -18,7 +18,7 @@ from .harness import Row, interleaved, purge, rate
 from .micro import Context
 from .publish import RUN_ARG, count_round_trips
 
-__all__ = ["SECTION", "realistic_publish"]
+__all__ = ["SECTION", "publish_rows", "realistic_publish"]
 
 SECTION = "celery publish (realistic app)"
 PLAIN = "plain task"
@@ -38,7 +38,7 @@ def _argv(tag: str, n: int) -> list[tuple[Any, ...]]:
 
 def realistic_publish(ctx: Context) -> list[Row]:
     """Publish throughput (distinct arguments) of plain and gated tasks in one default app."""
-    client, n, k = ctx.client, ctx.sizes.publish, ctx.sizes.count_ops
+    client = ctx.client
     tasks = {PLAIN: apps.realistic["plain"], GATED: apps.realistic["taskdedup"]}
     tasks.update({label: apps.realistic[label] for label in ("celery-once", "celery-singleton")
                   if label in apps.realistic})
@@ -49,7 +49,19 @@ def realistic_publish(ctx: Context) -> list[Row]:
 
     reset(PLAIN)
     tasks[PLAIN].apply_async(_argv("first", 1)[0])  # the app's first publish is a plain one
-    for label, task in tasks.items():  # connections, scripts, declarations
+    return publish_rows(ctx, SECTION, tasks, reset, lambda: int(client.llen(QUEUE)))
+
+
+def publish_rows(ctx: Context, section: str, tasks: dict[str, Any],
+                 reset: Callable[[str], None], queued: Callable[[], int],
+                 extra: dict[str, Any] | None = None) -> list[Row]:
+    """The publish comparison of ``tasks`` (the first is the plain baseline): each warmed
+    up (connections, scripts, declarations), interleaved runs of distinct calls, then their
+    round trips counted; ``reset(label)`` empties the queue and that task's locks,
+    ``queued()`` says how many messages the last run left (checked against the calls)."""
+    n, k = ctx.sizes.publish, ctx.sizes.count_ops
+    plain = next(iter(tasks))
+    for label, task in tasks.items():
         reset(label)
         for args in _argv(f"warm-{uuid.uuid4().hex}", 20):
             task.apply_async(args)
@@ -66,13 +78,13 @@ def realistic_publish(ctx: Context) -> list[Row]:
                     apply(args)
 
             sample = rate(body, n)
-            published[label] = int(client.llen(QUEUE))
+            published[label] = queued()
             return sample
 
         return one
 
     samples, ratios = interleaved({label: variant(label, task) for label, task in tasks.items()},
-                                  ctx.sizes.runs, baseline=PLAIN)
+                                  ctx.sizes.runs, baseline=plain)
     rows = []
     for label, task in tasks.items():
         reset(label)
@@ -81,10 +93,11 @@ def realistic_publish(ctx: Context) -> list[Row]:
             ctx, lambda i, t=task, a=argv: t.apply_async(a[i]), k)
         note = "" if published[label] == n else f"published {published[label]}, expected {n}"
         rows.append(Row(
-            SECTION, label, "publishes/s", samples[label],
-            baseline=None if label == PLAIN else PLAIN, ratios=ratios.get(label),
+            section, label, "publishes/s", samples[label],
+            baseline=None if label == plain else plain, ratios=ratios.get(label),
             round_trips=rts, commands=server, note=note,
-            extra={"client_commands": sent, "messages_published_last_run": published[label]},
+            extra={"client_commands": sent, "messages_published_last_run": published[label],
+                   **(extra or {})},
         ))
         reset(label)
     return rows

@@ -247,6 +247,21 @@ def test_a_script_the_server_lost_is_loaded_again(
     idle(app)
 
 
+
+def lose_next_reply(monkeypatch: pytest.MonkeyPatch, connection_class: Any) -> None:
+    """The next reply read on ``connection_class`` is read, then its connection breaks."""
+    real = connection_class.read_response
+    broken = iter([True])
+
+    def lose(self: Any, *args: Any, **kwargs: Any) -> Any:
+        reply = real(self, *args, **kwargs)
+        if next(broken, False):
+            raise redis.ConnectionError("connection reset")
+        return reply
+
+    monkeypatch.setattr(connection_class, "read_response", lose)
+
+
 def test_a_reply_lost_with_its_connection_is_asked_again_and_published_once(
     app: Celery, redis_client: redis.Redis, gate_not_called: None,
     monkeypatch: pytest.MonkeyPatch,
@@ -260,16 +275,7 @@ def test_a_reply_lost_with_its_connection_is_asked_again_and_published_once(
     monkeypatch.setitem(pool.connection_kwargs, "retry_on_error", [redis.ConnectionError])
     pool.reset()  # new connections take the setting
     connection_class = pool.connection_class
-    real = connection_class.read_response
-    broken = iter([True])
-
-    def lose(self: Any, *args: Any, **kwargs: Any) -> Any:
-        reply = real(self, *args, **kwargs)
-        if next(broken, False):
-            raise redis.ConnectionError("connection reset")
-        return reply
-
-    monkeypatch.setattr(connection_class, "read_response", lose)
+    lose_next_reply(monkeypatch, connection_class)
     handle = task.delay(1)
     assert queued_ids(redis_client, app)[1:] == [handle.id]
     assert lock_of(app, task, 1) == (LockState.QUEUED, handle.id)
@@ -285,16 +291,7 @@ def test_a_reply_lost_on_a_client_that_does_not_retry_raises_and_sends_nothing(
     task = declare(app, ttl=60)
     task.delay("warm")
     connection_class = get_deduplicator(app).store.client.connection_pool.connection_class
-    real = connection_class.read_response
-    broken = iter([True])
-
-    def lose(self: Any, *args: Any, **kwargs: Any) -> Any:
-        reply = real(self, *args, **kwargs)
-        if next(broken, False):
-            raise redis.ConnectionError("connection reset")
-        return reply
-
-    monkeypatch.setattr(connection_class, "read_response", lose)
+    lose_next_reply(monkeypatch, connection_class)
     with pytest.raises(StoreUnavailableError):
         task.delay(1)
     assert queued_ids(redis_client, app)[1:] == []

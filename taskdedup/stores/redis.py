@@ -270,7 +270,7 @@ class RedisStore:
         # Completions sent at once whose replies are read later (complete_later).
         self._complete_loaded = False  # the server has complete.lua (complete_later)
         self._trails = None if self._take_connection is None else Trails(
-            self._take_connection, client.connection_pool.release, _pack, self._redo)
+            self._take_connection, self._give_back, _pack, self._redo)
 
     @classmethod
     def from_url(cls, url: str, **client_kwargs: Any) -> RedisStore:
@@ -423,9 +423,7 @@ class RedisStore:
         except RedisError:
             return sent  # read() makes the call through the client
         try:
-            conn.send_packed_command(
-                [_hiredis_pack(command)] if _hiredis_pack is not None
-                else conn.pack_command(*command))
+            conn.send_packed_command(_pack(conn, [command]))
         except BaseException as exc:
             self._drop(conn)
             if not isinstance(exc, RedisError):
