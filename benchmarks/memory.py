@@ -86,32 +86,7 @@ class RawPipe:
 
     def run(self, commands: Iterable[Sequence[Any]]) -> int:
         """Send in chunks, read every reply; the number of error replies."""
-        errors = 0
-        batch: list[bytes] = []
-        for command in commands:
-            batch.append(hiredis.pack_command(tuple(command)))
-            if len(batch) >= CHUNK:
-                errors += self._exchange(batch)
-                batch = []
-        if batch:
-            errors += self._exchange(batch)
-        return errors
-
-    def _exchange(self, batch: list[bytes]) -> int:
-        self.sock.sendall(b"".join(batch))
-        errors, pending = 0, len(batch)
-        while pending:
-            reply = self.reader.gets()
-            if reply is False:
-                data = self.sock.recv(1 << 20)
-                if not data:
-                    raise ConnectionError("server closed the connection")
-                self.reader.feed(data)
-                continue
-            if isinstance(reply, hiredis.ReplyError):
-                errors += 1
-            pending -= 1
-        return errors
+        return sum(isinstance(reply, hiredis.ReplyError) for reply in self.replies(commands))
 
     def replies(self, commands: Iterable[Sequence[Any]]) -> list[Any]:
         """Send in chunks; every reply, in order (errors as ``hiredis.ReplyError``)."""
