@@ -384,6 +384,38 @@ def test_a_row_that_cannot_be_published_stays_backs_off_and_is_reported(
     assert timedelta(seconds=0.5) < wait <= timedelta(seconds=2)
 
 
+def test_an_rq_row_whose_queue_cannot_be_rebuilt_here_stays_and_says_why(
+    engine: sa.Engine, queue: DedupQueue, rc: redis.Redis, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A job class, serializer or ``Policy.key`` the relay cannot import (the producer's code
+    is not beside the relay, or was renamed) is a row that cannot be published: it stays,
+    with the path in its error. Publishing it with RQ's default class, serializer or
+    identity instead would give the job another class, or another lock key than the
+    producer's (a second publish of it no longer runs once)."""
+    broken = {"job_class": "tests.nowhere.Job", "serializer": "tests.nowhere.serializer",
+              "policy.key": "tests.nowhere.key"}
+    envelopes = []
+    for field, path in broken.items():
+        data = pack(queue, rq_record, label()).data()
+        if field == "policy.key":
+            data["policy"]["key"] = path
+        else:
+            data[field] = path
+        envelopes.append(Envelope(str(uuid.uuid4()), "rq", queue.name, json.dumps(data)))
+        insert(engine, envelopes[-1])
+    relay = Relay(SqlRows(engine), Publisher(rq_connection=rc), grace=0)
+    with caplog.at_level(logging.WARNING, "taskdedup"):
+        assert relay.run_once() == 3
+    assert ids(engine) == sorted(e.id for e in envelopes)  # every row stays
+    assert not any(published(rc, e.id) for e in envelopes)
+    assert rc.llen(f"rq:queue:{queue.name}") == 0
+    with engine.connect() as conn:
+        errors = dict(conn.execute(sa.select(OUTBOX.c.id, OUTBOX.c.last_error)).all())
+    for envelope, path in zip(envelopes, broken.values(), strict=True):
+        assert path in errors[envelope.id] and "does not import" in errors[envelope.id]
+        assert envelope.id in caplog.text
+
+
 # -- the CLI ---------------------------------------------------------------------------------------
 
 

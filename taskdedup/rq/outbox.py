@@ -61,6 +61,17 @@ def _import(path: str) -> Any:
         return None
 
 
+def _required(path: str, what: str) -> Any:
+    """What ``path`` names, or LookupError: the relay rebuilds the producer's queue exactly or
+    not at all (RQ's default class, serializer or identity in its place would publish the
+    call as another job, or under another lock key than the producer's)."""
+    found = _import(path)
+    if found is None:
+        raise LookupError(f"the {what} {path!r} does not import here (the relay imports the "
+                          "producer's code by name: install it beside the relay)")
+    return found
+
+
 def _function(func: Any) -> str:
     """The import path of an RQ function reference (a callable or a dotted string)."""
     if isinstance(func, str):
@@ -92,7 +103,7 @@ def policy_from(fields: dict[str, Any]) -> Policy:
     """The Policy :func:`policy_fields` recorded."""
     values = dict(fields)
     if values.get("key") is not None:
-        values["key"] = _import(values["key"])
+        values["key"] = _required(values["key"], "Policy.key")
     if values.get("window") is not None:
         values["window"] = Approximate(**values["window"])
     return Policy(**values)
@@ -175,9 +186,10 @@ def queue_of(connection: redis.Redis, data: dict[str, Any]) -> DedupQueue:
     cls = _import(data["queue_class"])
     if not (isinstance(cls, type) and issubclass(cls, DedupQueue)):
         raise LookupError(f"{data['queue_class']!r} is not a DedupQueue class here")
-    queue = cls(data["queue"], connection=connection, job_class=_import(data["job_class"]),
-                serializer=_import(data["serializer"]), dedup=policy_from(data["policy"]),
-                dedup_prefix=data["prefix"])
+    queue = cls(data["queue"], connection=connection,
+                job_class=_required(data["job_class"], "job class"),
+                serializer=_required(data["serializer"], "serializer"),
+                dedup=policy_from(data["policy"]), dedup_prefix=data["prefix"])
     with _queues_lock:
         _queues[cache_key] = queue
         while len(_queues) > _CACHE_SIZE:
