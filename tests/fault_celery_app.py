@@ -38,6 +38,9 @@ app.conf.update(
         "visibility_timeout": VISIBILITY,
         "unacked_restore_interval": 1,
         "unacked_restore_throttle": 1,
+        # kombu holds this mutex while it restores; a worker SIGKILLed holding it blocks every
+        # restore for its expiry (300 s by default): the tests kill workers, so keep it short
+        "unacked_mutex_expire": 10,
     },
 )
 

@@ -81,6 +81,14 @@ def arm(rc: redis.Redis, points: dict[str, str]) -> None:
         pipe.execute()
 
 
+def broker_state(rc: redis.Redis, queue: str, orders: list[str]) -> str:
+    """What kombu holds when redelivery stalls: where the messages are, who holds the mutex."""
+    waiting = [o for o in orders if not returned(rc, o)]
+    return (f"{len(waiting)} not returned (e.g. {waiting[:3]}), queue {rc.llen(queue)}, "
+            f"unacked {rc.zcard('unacked_index')}, "
+            f"unacked_mutex ttl {rc.ttl('unacked_mutex')} s")
+
+
 def returned(rc: redis.Redis, order: str) -> list[Any]:
     return [json.loads(x) for x in rc.lrange(f"sql:ret:{order}", 0, -1)]
 
@@ -160,8 +168,11 @@ def test_celery_workers_sigkilled_at_every_point_charge_each_order_once(
                                                   time.time() - VISIBILITY - 0.5, "+inf"),
                      timeout=30, what="the killed worker's messages past visibility_timeout")
             worker = start()
-            wait_for(lambda orders=orders: all(returned(rc, o) for o in orders), timeout=90,
-                     what="every killed charge redelivered and returned")
+            try:
+                wait_for(lambda orders=orders: all(returned(rc, o) for o in orders),
+                         timeout=90, what="every killed charge redelivered and returned")
+            except TimeoutError as exc:
+                raise TimeoutError(f"{exc}; {broker_state(rc, queue, orders)}") from None
     finally:
         worker.stop()
     figures = account(rc, pg, points, durable)
