@@ -12,7 +12,6 @@ import hashlib
 import logging
 import math
 import random
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -34,6 +33,7 @@ from taskdedup.core import Verdict, resolve_duplicate
 from taskdedup.stores import redis as redis_store
 from taskdedup.stores.base import LockState, Outcome
 from taskdedup.testing import FakeClock, wait_for
+from tests.counting import CommandCounter
 
 NAME = "tests.approx"
 
@@ -383,24 +383,6 @@ def test_slice_keys_expire_after_their_life_on_redis_in_real_time(
 
 
 # -- one round trip -------------------------------------------------------------------------------
-
-
-class CommandCounter:
-    """Counts the commands redis-py sends from this thread (one per round trip outside
-    pipelines): a heartbeat thread an earlier test left behind in this process sends its own,
-    which are not the test's."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.commands: list[str] = []
-        original = redis.Redis.execute_command
-        mine = threading.get_ident()
-
-        def counting(client: redis.Redis, *args: Any, **options: Any) -> Any:
-            if threading.get_ident() == mine:
-                self.commands.append(str(args[0]).upper())
-            return original(client, *args, **options)
-
-        monkeypatch.setattr(redis.Redis, "execute_command", counting)
 
 
 def test_each_step_under_a_window_is_one_round_trip(

@@ -32,7 +32,7 @@ from taskdedup.core import Verdict
 from taskdedup.stores import redis as redis_store
 from taskdedup.stores.base import LockState, Outcome
 from taskdedup.testing import FakeClock, wait_for
-from tests.test_approximate import CommandCounter
+from tests.counting import CommandCounter
 
 NAME = "tests.approx.clock"
 SLICE_MS = 1000

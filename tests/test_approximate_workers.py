@@ -18,7 +18,7 @@ from taskdedup.core import Verdict
 from taskdedup.rq import DedupQueue
 from taskdedup.testing import wait_for
 from tests import approximate_apps
-from tests.test_approximate import CommandCounter
+from tests.counting import CommandCounter
 from tests.workers import RqWorker
 
 

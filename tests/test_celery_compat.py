@@ -21,6 +21,7 @@ from kombu.transport import redis as kombu_redis
 
 from taskdedup import Policy
 from taskdedup.celery import DedupTask, RedisTransport, _compat, get_deduplicator
+from tests.counting import CommandCounter
 from tests.proxy import Proxy
 from tests.tls import self_signed_certificate
 
@@ -204,18 +205,11 @@ def test_rediss_keeps_tls_on_the_one_round_trip_publish(
     task = declare(app, f"compat.tls-{options}")
     try:
         task.delay(0)  # connects, loads the script
-        counter: list[str] = []
-        original = redis.Redis.execute_command
-
-        def counting(client: redis.Redis, *args: Any, **kw: Any) -> Any:
-            counter.append(str(args[0]).upper())
-            return original(client, *args, **kw)
-
-        monkeypatch.setattr(redis.Redis, "execute_command", counting)
+        counter = CommandCounter(monkeypatch)
         first = task.delay(1)
         assert task.delay(1).id == first.id
         monkeypatch.undo()
-        assert counter == ["EVALSHA", "EVALSHA"]
+        assert counter.commands == ["EVALSHA", "EVALSHA"]
         assert sorted(queued(redis_client, queue)) != [] and queued(redis_client, queue).count(
             first.id) == 1
     finally:

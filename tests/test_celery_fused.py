@@ -17,6 +17,7 @@ from taskdedup.celery import DedupTask, RedisTransport, get_deduplicator
 from taskdedup.celery.config import fuses as _fuses
 from taskdedup.stores.redis import SCRIPTS
 from taskdedup.testing import wait_for
+from tests.counting import CommandCounter
 from tests.effects import released
 from tests.workers import CeleryWorker
 
@@ -37,20 +38,6 @@ def declare(app: Celery, name: str, **policy: Any) -> Any:
         return x
 
     return app.task(base=DedupTask, name=name, dedup=Policy(**policy), shared=False)(body)
-
-
-class CommandCounter:
-    """Counts the commands redis-py sends (one per round trip outside pipelines)."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.commands: list[str] = []
-        original = redis.Redis.execute_command
-
-        def counting(client: redis.Redis, *args: Any, **options: Any) -> Any:
-            self.commands.append(str(args[0]).upper())
-            return original(client, *args, **options)
-
-        monkeypatch.setattr(redis.Redis, "execute_command", counting)
 
 
 def test_the_transport_is_used_only_when_the_locks_live_in_the_broker(redis_url: str) -> None:
