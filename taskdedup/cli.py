@@ -105,8 +105,46 @@ class _Env:
         return self._client
 
 
+SUMMARIES: Final[dict[str, str]] = {
+    "clear": "Delete locks, so their calls can be enqueued again.",
+    "demo": "Watch duplicates meet real Celery and RQ workers, on this machine.",
+    "doctor": "Check that your Redis can keep taskdedup's promises.",
+    "inspect": "Show one lock: who holds it, in what state, for how long.",
+    "key": "Print the lock key of one call of a task.",
+    "list": "List the locks held now.",
+    "outbox": "Publish and watch the transactional outbox's rows.",
+    "sql": "Create and prune the durable tier's database tables.",
+    "stats": "Show each task's counts: accepted, duplicates, skipped, released.",
+    "web": "Serve a read-only dashboard of locks and stats.",
+}
+"""One plain line per command for ``taskdedup --help`` (a command's own help says more)."""
+
+EPILOG: Final = """\b
+Examples:
+  taskdedup --url redis://localhost:6379/0 doctor
+  taskdedup stats --watch
+  taskdedup list --task payments.charge
+  taskdedup key payments.charge ORD-789 5000 -A proj
+  taskdedup demo
+
+\b
+'taskdedup COMMAND --help' describes a command. Docs: docs/reference/cli.md and
+docs/how-to/operating.md in taskdedup's source."""
+
+
 class _Group(click.Group):
-    """A click group that also lists and loads :data:`LAZY_COMMANDS` on demand."""
+    """A click group that also lists and loads :data:`LAZY_COMMANDS` on demand, and lists
+    each command with its line of :data:`SUMMARIES`."""
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = []
+        for name in self.list_commands(ctx):
+            command = self.get_command(ctx, name)
+            if command is not None and not command.hidden:
+                rows.append((name, SUMMARIES.get(name) or command.get_short_help_str(200)))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         lazy = [name for name, target in LAZY_COMMANDS.items() if _module_exists(target)]
@@ -137,7 +175,8 @@ def _check_prefix(ctx: click.Context, param: click.Parameter, value: str) -> str
     return value
 
 
-@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]},
+             epilog=EPILOG)
 @click.option(
     "--url", envvar="TASKDEDUP_URL", metavar="URL",
     help="Redis URL (redis://, rediss://, unix://, valkey://); default: $TASKDEDUP_URL.",
@@ -149,7 +188,7 @@ def _check_prefix(ctx: click.Context, param: click.Parameter, value: str) -> str
 @click.version_option(package_name="taskdedup", prog_name="taskdedup")
 @click.pass_context
 def main(ctx: click.Context, url: str | None, prefix: str) -> None:
-    """Look at and manage taskdedup's locks and stats in Redis."""
+    """Look at taskdedup's locks and counts in Redis, and manage them."""
     ctx.obj = _Env(url or None, prefix)
 
 
@@ -709,7 +748,7 @@ def _limits_table(rows: dict[str, dict[str, int]], where: str) -> Table:
 @_json_option
 @click.pass_obj
 def stats_command(env: _Env, task: str | None, watch: float | None, as_json: bool) -> None:
-    """Show per-task counters: accepted, duplicates, duplicate rate, skipped, failures.
+    """Per task: accepted, duplicates, duplicate rate, skipped, released on failure.
 
     Per task: accepted enqueues (reserved), duplicates, duplicate rate = duplicates /
     (accepted + duplicates), skipped executions, locks released on failure, lost leases,

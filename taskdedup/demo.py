@@ -455,8 +455,9 @@ def _celery_worker(env: dict[str, str]) -> Any:
 # -- the command ---------------------------------------------------------------------------
 
 @click.command("demo")
-@click.option("--url", "demo_url", default=None,
-              help="Use this Redis (default: start a throwaway valkey-server on loopback).")
+@click.option("--url", "demo_url", default=None, metavar="URL",
+              help="Use this Redis (default: taskdedup's --url, else start a throwaway "
+                   "valkey-server on loopback).")
 @click.pass_context
 def demo(ctx: click.Context, demo_url: str | None) -> None:
     """Fire duplicate deliveries at real Celery and RQ workers; prove exactly-once effects."""

@@ -477,6 +477,49 @@ def test_demo_is_loaded_lazily_from_its_module(run: Any,
     assert result.exit_code == 0 and result.stdout == "demo ran\n"
 
 
+def _commands(group: click.Group, ctx: click.Context) -> Iterator[tuple[str, click.Command]]:
+    for name in group.list_commands(ctx):
+        command = group.get_command(ctx, name)
+        assert command is not None, name
+        yield name, command
+        if isinstance(command, click.Group):
+            yield from _commands(command, click.Context(command, parent=ctx, info_name=name))
+
+
+def test_the_top_level_help_gives_each_command_one_whole_plain_line_examples_and_the_docs(
+) -> None:
+    """#24 stumble 13: click cut each summary mid-sentence ('Delete locks (SCAN + DEL in
+    batches), so their identities can...') and spent it on how, not what."""
+    out = CliRunner().invoke(main, ["--help"], terminal_width=80).stdout
+    listed = out.split("Commands:\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    names = [line.split()[0] for line in listed]
+    assert names == sorted(cli.SUMMARIES) == main.list_commands(click.Context(main))
+    for line in listed:
+        assert line.endswith(".") and "..." not in line, line
+        assert not {"SCAN", "pipelined", "DEL", "Lua"} & set(line.replace("(", " ").split())
+    assert "Examples:\n    taskdedup --url redis://" in out  # kept as written, not rewrapped
+    assert "docs/reference/cli.md" in out
+
+
+def test_every_option_says_what_it_is_and_no_command_repeats_the_global_url() -> None:
+    """#24 stumble 14: `web --port` had no help, `web` listed a second --url, `demo --url`
+    showed TEXT where the others show URL, `stats` said "failures" for its column
+    `released (failure)`."""
+    ctx = click.Context(main, info_name="taskdedup")
+    for name, command in _commands(main, ctx):
+        for param in command.params:
+            if isinstance(param, click.Option) and not param.hidden:
+                assert param.help, f"{name} {param.opts}"
+                if name in ("web", "demo") and "--url" in param.opts:  # a Redis URL
+                    assert param.metavar == "URL", name
+    for name in ("web", "demo"):
+        out = CliRunner().invoke(main, [name, "--help"], terminal_width=80).stdout
+        assert ("--url" in out.split("Options:")[1]) is (name == "demo"), name
+        assert "TEXT" not in out.split("--url", 1)[-1].split("\n")[0]
+    stats = CliRunner().invoke(main, ["stats", "--help"], terminal_width=200).stdout
+    assert "failures" not in stats and "released on failure" in stats.split("\n\n")[1]
+
+
 # -- input written by someone else (SPEC §8: input is not trusted) -------------------------------
 
 LOCK_VALUE = "Q||id-odd"  # a well-formed queued lock value (state, no check, owner)

@@ -18,11 +18,12 @@ __all__ = ["web"]
 
 
 @click.command("web")
-@click.option("--url", envvar="TASKDEDUP_URL", metavar="URL",
+@click.option("--url", envvar="TASKDEDUP_URL", metavar="URL", hidden=True,
               help="Redis URL (default: taskdedup's --url, else $TASKDEDUP_URL).")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to bind; anything but loopback exposes the dashboard.")
-@click.option("--port", type=click.IntRange(0, 65535), default=8077, show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=8077, show_default=True,
+              metavar="PORT", help="Port to listen on.")
 @click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="NAME",
               help="Also answer requests for this host name (repeatable); loopback names and "
                    "the --host address always work, any other Host header gets 400.")
@@ -48,7 +49,8 @@ def web(
     127.0.0.1 unless --host says otherwise. With --allow-clear a lock can be cleared from its
     page with the token; without --token one is generated and printed once, on stderr.
     It answers only to loopback names, the --host address and each --allowed-host (a
-    DNS-rebinding page gets 400).
+    DNS-rebinding page gets 400). The locks are read from taskdedup's --url (given before
+    the command: taskdedup --url URL web), else $TASKDEDUP_URL.
     """
     try:
         import uvicorn
