@@ -608,6 +608,87 @@ def test_relay_publishes_what_a_killed_producer_committed_and_stops_on_sigterm(
     assert worker.process is not None
 
 
+_UNPUBLISHABLE = """
+import io, json, logging
+from datetime import UTC, datetime, timedelta
+from django.core.management import call_command
+from taskdedup.django.models import OutboxRow
+
+log = io.StringIO()
+logging.getLogger("taskdedup").addHandler(logging.StreamHandler(log))
+row_id, old = {row_id!r}, datetime.now(UTC) - timedelta(hours=1)
+OutboxRow.objects.create(id=row_id, kind="celery", target="orders.tasks.gone",
+                         body=json.dumps({{"v": 1, "task": "orders.tasks.gone"}}),
+                         created=old, next_attempt=old)
+def relay():
+    out = io.StringIO()
+    call_command("taskdedup_relay", "--once", "--grace", "0", stdout=out)
+    return out.getvalue().strip()
+def row():
+    found = OutboxRow.objects.get(id=row_id)
+    return [found.attempts, found.last_error,
+            (found.next_attempt - datetime.now(UTC)).total_seconds()]
+out = {{"first": relay(), "after_first": row(), "at_once": relay()}}
+OutboxRow.objects.filter(id=row_id).update(next_attempt=datetime.now(UTC))  # its time comes
+out["second"], out["after_second"] = relay(), row()
+status = io.StringIO()
+call_command("taskdedup_outbox_status", "--json", stdout=status)
+out["status"], out["log"] = json.loads(status.getvalue()), log.getvalue()
+OutboxRow.objects.filter(id=row_id).delete()
+print(json.dumps(out))
+"""
+
+
+def test_a_row_the_relay_cannot_publish_stays_backs_off_and_is_reported(
+    project: Project,
+) -> None:
+    """``manage.py taskdedup_relay`` over a row whose task the project's app does not know:
+    the row stays, its attempts counted and its error kept, tried again after 1 s then 2 s
+    (not at once: no hot loop), logged at WARNING with its id, counted as failing by
+    ``taskdedup_outbox_status``."""
+    with project.engine.begin() as conn:  # this test's rows only
+        conn.execute(sa.text("delete from taskdedup_outbox"))
+    row_id = str(uuid.uuid4())
+    out = project.shell(_UNPUBLISHABLE.format(row_id=row_id))
+    assert out["first"] == "taskdedup relay: 1 row(s) taken", out
+    attempts, error, wait = out["after_first"]
+    assert attempts == 1 and "not registered" in error and 0.5 < wait <= 1.5, out
+    assert out["at_once"] == "taskdedup relay: 0 row(s) taken", out  # backed off
+    assert out["second"] == "taskdedup relay: 1 row(s) taken", out
+    attempts, error, wait = out["after_second"]
+    assert attempts == 2 and 1.5 < wait <= 2.5, out
+    warnings = [line for line in out["log"].splitlines() if row_id in line]
+    assert len(warnings) == 2 and "attempt 2" in warnings[1], out["log"]
+    assert out["status"]["rows"] == 1 and out["status"]["failing"] == 1, out
+    (target,) = out["status"]["targets"]
+    assert target["target"] == "orders.tasks.gone" and target["attempts"] == 2, target
+    assert "not registered" in target["last_error"], target
+
+
+def test_relay_refuses_bad_options_and_stops_on_sigint(project: Project) -> None:
+    """Options the relay cannot run with end in Django's one-line ``CommandError`` (exit 1,
+    no traceback); SIGINT (Ctrl-C) stops it as SIGTERM does: exit 0."""
+    for option, value in (("--batch", "0"), ("--grace", "-1"), ("--poll", "0")):
+        done = project.run("taskdedup_relay", option, value, "--once", check=False)
+        assert done.returncode == 1, done.stdout + done.stderr
+        assert "CommandError" in done.stderr and option in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr, done.stderr
+    relay = project.popen("taskdedup_relay", "--grace", "3600", "--poll", "0.2")
+    try:
+        assert relay.stdout is not None
+        seen: list[str] = []
+        while not seen or not seen[-1].startswith("taskdedup relay: database 'default'"):
+            seen.append(relay.stdout.readline())
+            assert seen[-1], "".join(seen)  # it exited before polling
+        relay.send_signal(signal.SIGINT)
+        output, _ = relay.communicate(timeout=30)
+    finally:
+        if relay.poll() is None:
+            relay.kill()
+    assert relay.returncode == 0, output
+    assert "taskdedup relay: stopped" in output and "Traceback" not in output, output
+
+
 # -- another database alias: using="other" -------------------------------------------------
 
 def _held_ids(project: Project, queue: str) -> list[str]:

@@ -9,7 +9,7 @@ import threading
 from types import FrameType
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandParser
+from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 __all__ = ["Command"]
 
@@ -38,6 +38,11 @@ class Command(BaseCommand):  # type: ignore[misc]
         from taskdedup.django.project import publisher
         from taskdedup.outbox import Relay
 
+        for option, bad, wanted in (("batch", options["batch"] < 1, "at least 1"),
+                                    ("grace", options["grace"] < 0, "0 or more"),
+                                    ("poll", options["poll"] <= 0, "more than 0")):
+            if bad:
+                raise CommandError(f"--{option} must be {wanted}, got {options[option]:g}")
         relay = Relay(DjangoRowSource(options["database"]), publisher(),
                       batch=options["batch"], grace=options["grace"], poll=options["poll"])
         if options["once"]:
