@@ -126,6 +126,16 @@ def gated(label: str, seconds: float = 0.0) -> str:
     return label
 
 
+@app.task(base=DedupTask, dedup=Policy(mode="until_executed", ttl=120, lease=20))
+def gated_lost_once(label: str) -> str:
+    """A gated ``lost_once``: waits to be SIGKILLed on its first run (its pool process:
+    ``reject_on_worker_lost`` requeues the message, its lock still running by its id)."""
+    r().rpush(f"fetch:ran:{label}", os.getpid())
+    if r().incr(f"fetch:attempts:{label}") == 1:
+        time.sleep(60)
+    return label
+
+
 def _pause_after_fetch(seconds: float) -> None:
     """Pause every consumer right after the pop, before the QoS records the message."""
 

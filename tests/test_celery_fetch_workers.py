@@ -379,3 +379,85 @@ def test_a_fetch_reply_lost_with_its_connection_puts_the_message_back(
                      what="nothing left behind")
         finally:
             worker.stop()
+
+
+def lock_values(rc: redis.Redis, task: str) -> dict[str, str]:
+    """Every lock of ``task`` (``taskdedup:<task>:*``): its value, ``<state>|<check>|<owner>``."""
+    found = {}
+    for key in rc.scan_iter(match=f"{PREFIX}:{task}:*", count=1000):
+        value = rc.get(key)
+        if value is not None:
+            found[key.decode()] = value.decode()
+    return found
+
+
+def test_gated_countdowns_put_back_by_a_warm_shutdown_run_without_waiting_for_a_lease(
+    fapp: Any, rc: redis.Redis, redis_url: str
+) -> None:
+    """SPEC §5: a message requeued on shutdown does not wait for its lock's lease. A warm
+    shutdown finishes the bodies it runs and puts back only messages whose body never started,
+    so their locks are still queued by their own ids (nothing to turn back): a worker started
+    after runs each at its ETA, once, not put off as a copy of a running lock (lease 20 s)."""
+    queue = name("warm-gated")
+    first = FetchWorker(redis_url, queue=queue, pool="prefork", concurrency=2).start()
+    second = None
+    try:
+        labels = [name("wg") for _ in range(3)]
+        handles = [fapp.gated.apply_async((label,), queue=queue, countdown=4)
+                   for label in labels]
+        due = time.monotonic() + 4
+        wait_for(lambda: sum(h.held for h in owners_of(rc, first)) == 3, timeout=20,
+                 what="the first worker holds the countdowns")
+        first.warm_stop()
+        assert rc.llen(queue) == 3 and owners_of(rc, first) == []  # back in the queue
+        states = {value.split("|")[0] + value.rsplit("|", 1)[1]
+                  for value in lock_values(rc, fapp.gated.name).values()}
+        assert {f"Q{h.id}" for h in handles} <= states  # queued by their ids, not running
+        second = FetchWorker(redis_url, queue=queue, pool="prefork", concurrency=2).start()
+        ready = time.monotonic()
+        assert [h.get(timeout=30) for h in handles] == labels
+        waited = time.monotonic() - max(due, ready)
+        print(f"\ngated countdowns put back by a warm shutdown: done {waited:.1f}s after "
+              "they were due and a worker was up (lock lease 20s)")
+        assert waited < 10.0  # a copy put off until the lease lapses would take 15-20 s
+        assert {ran(rc, label) for label in labels} == {1}
+        assert "redelivered copy" not in second.output()
+        assert "runs in another copy" not in second.output()
+    finally:
+        first.kill()
+        if second is not None:
+            second.stop()
+
+
+def test_a_gated_task_requeued_for_a_lost_pool_process_waits_for_its_locks_lease(
+    fapp: Any, rc: redis.Redis, redis_url: str
+) -> None:
+    """SPEC §5 asks that a worker requeueing a message whose body it started (Celery's soft
+    shutdown, ``task_reject_on_worker_lost``) first turn its lock back to ``queued(id)``, so the
+    requeued message runs at once. Not done yet, on either fetch: the main process cannot tell
+    a lock its dead pool process claimed from the running lock of another copy of the same id
+    (a copy put off in its claim step), so turning it back could let two bodies run at once. The
+    requeued message is put off as a copy until the lock's lease (20 s) lapses, then runs once:
+    at least once holds, "at once" does not (the xfail says by how much)."""
+    queue = name("lost-gated")
+    worker = FetchWorker(redis_url, queue=queue, pool="prefork", concurrency=2).start()
+    try:
+        label = name("lg")
+        handle = fapp.gated_lost_once.apply_async((label,), queue=queue)
+        wait_for(lambda: ran(rc, label) == 1, timeout=20, what="the first run started")
+        (pid,) = rc.lrange(f"fetch:ran:{label}", 0, -1)
+        os.kill(int(pid), signal.SIGKILL)  # the pool process, not the worker
+        killed = time.monotonic()
+        wait_for(lambda: ran(rc, label) == 2, timeout=60, interval=0.1,
+                 what="the requeued message ran again")
+        delay = time.monotonic() - killed
+        assert handle.get(timeout=30) == label
+        assert ran(rc, label) == 2
+        print(f"\na gated body's pool process SIGKILLed: run again {delay:.1f}s later "
+              f"(lock lease 20s)")
+        if delay >= 8.0:
+            pytest.xfail(f"SPEC §5: the requeued message waited {delay:.1f}s for its lock's "
+                         "lease instead of running at once (no claim fence to turn the lock "
+                         "back to queued safely)")
+    finally:
+        worker.stop()
