@@ -679,11 +679,12 @@ def doctor_command(env: _Env, as_json: bool) -> None:
                     "checks": [f.as_dict() for f in findings]})
     else:
         table = Table(title=_title(f"taskdedup doctor at {env.where}"), title_justify="left")
-        for name in ("check", "", "found", "fix"):
+        for name in ("check", "status", "found", "fix"):
             table.add_column(name)
+        styles = {"ok": "green", "not in use": "yellow", "PROBLEM": "bold red"}
         for f in findings:
-            table.add_row(f.check, Text("ok", "green") if f.ok else Text("PROBLEM", "bold red"),
-                          _cell(f.detail), _cell(f.fix))
+            table.add_row(f.check, Text(f.status, styles[f.status]), _cell(f.detail),
+                          _cell(f.fix))
         _console().print(table)
     if failed:
         raise SystemExit(1)

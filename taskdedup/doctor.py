@@ -42,9 +42,18 @@ class Finding:
     ok: bool
     detail: str
     fix: str = ""
+    unused: bool = False
+    """Something is missing that nothing uses yet: not a problem (``ok``) until it is."""
+
+    @property
+    def status(self) -> str:
+        """``ok``, ``PROBLEM``, or ``not in use`` (missing, but nothing needs it yet)."""
+        if not self.ok:
+            return "PROBLEM"
+        return "not in use" if self.unused else "ok"
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "status": self.status}
 
 
 def diagnose(client: Any, prefix: str) -> list[Finding]:
@@ -216,7 +225,7 @@ def _window_check(client: Any, prefix: str) -> Finding:
         return Finding("windows", False, f"{problem}: approximate windows under {prefix}:* "
                        "fail (their calls follow on_store_error)", fix)
     return Finding("windows", True, f"{problem}; no approximate window is in use under "
-                   f"{prefix}:* (needed only if you add one)", fix)
+                   f"{prefix}:* (needed only if you add one)", fix, unused=True)
 
 
 def _copies_check(client: Any, prefix: str) -> Finding:

@@ -177,11 +177,19 @@ def test_doctor_names_the_window_commands_a_user_lacks_a_problem_only_where_wind
     url = f"redis://nobits:pw@{host_port}"
     code, checks = doctor(url)  # no window in use yet: said, but not a failure
     assert code == 0 and checks["windows"]["ok"] is True
+    assert checks["windows"]["status"] == "not in use"  # the third state, named (#24)
+    assert {c["status"] for n, c in checks.items() if n != "windows"} == {"ok"}
+    table = CliRunner().invoke(main, ["--url", url, "doctor"], terminal_width=200).output
+    row = next(line for line in table.splitlines() if "windows" in line)
+    assert row.split("│")[2].strip() == "not in use", row
+    header = next(line for line in table.splitlines() if "check" in line)
+    assert header.replace("┃", "│").split("│")[2].strip() == "status", header
     assert "setbit, bitfield, bitcount" in str(checks["windows"]["detail"])
     assert "+setbit +bitfield +bitcount" in str(checks["windows"]["fix"])
     own.set("taskdedup:bloom:app.charge:{5f1c09e2.0}:2880123", b"\0" * 16)  # a window's slice
     code, checks = doctor(url)
     assert code == 1 and checks["windows"]["ok"] is False
+    assert checks["windows"]["status"] == "PROBLEM"
     assert checks["acl"]["ok"] is True and checks["scripts"]["ok"] is True
     assert own.keys("taskdedup:bloom:doctor:*") == []  # the probe bitmap never stays
     code, checks = doctor(own_server.url)  # the default user may run them all
