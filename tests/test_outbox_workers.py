@@ -192,11 +192,11 @@ def test_two_relays_on_postgresql_publish_each_row_once(rc: redis.Redis, redis_u
             for envelope in envelopes:
                 left_by_a_dead_producer(engine, envelope)
             wait_for(lambda: rows(engine) == 0, timeout=60, what="the rows were published")
-        finally:
-            for proc in relays:
-                proc.send_signal(signal.SIGTERM)
+        finally:  # SIGTERM (a process manager) and SIGINT (Ctrl-C) both stop it: exit 0
+            for proc, sig in zip(relays, (signal.SIGTERM, signal.SIGINT), strict=True):
+                proc.send_signal(sig)
             codes = [proc.wait(timeout=30) for proc in relays]
-        assert codes == [0, 0]
+        assert codes == [0, 0], [proc.stderr.read() for proc in relays if proc.stderr]
         messages = rc.lrange(queue, 0, -1)
         assert len(messages) == len(envelopes)  # a row taken twice would send a second copy
         assert {e.id for e in envelopes} == {
