@@ -167,6 +167,35 @@ def test_close_puts_back_what_the_consumer_held_at_the_head_in_order(
     assert processing.holders(rc, prefix) == [] and not rc.keys(f"{prefix}:*")
 
 
+def test_a_heartbeat_late_for_a_close_does_not_bring_the_owner_back(
+    redis_url: str, rc: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The heartbeat thread took its list of owners just before the channel closed and renews
+    this one after the close left the registry, before kombu's close drops the pool: the late
+    renewal writes nothing, so an owner that left does not show in ``taskdedup doctor`` or the
+    dashboard (where it stayed a lease, then an orphan); once the pool is gone it does not fail
+    either (a WARNING that the lease could not be renewed)."""
+    from taskdedup.celery import _compat
+
+    name = f"q-{uuid.uuid4().hex[:6]}"
+    publish(redis_url, name, ["a"])
+    conn = reliable(redis_url, prefix)
+    (message,) = Taker(conn, [name]).take(1)
+    fetcher = message.channel._taskdedup_fetcher
+    message.ack()
+    kombus_close = _compat.Channel.close
+
+    def a_late_beat_then_kombus_close(channel: Any) -> None:
+        fetcher.beat()  # the thread, with its list from before the close, renews now
+        kombus_close(channel)
+
+    monkeypatch.setattr(_compat.Channel, "close", a_late_beat_then_kombus_close)
+    conn.close()
+    assert processing.holders(rc, prefix) == [] and not rc.keys(f"{prefix}:*")
+    fetcher.beat()  # later still: the channel's pool is gone
+    assert not rc.keys(f"{prefix}:*")
+
+
 def test_a_wait_pending_at_close_leaves_nothing_in_the_processing_list(
     redis_url: str, rc: redis.Redis, prefix: str
 ) -> None:

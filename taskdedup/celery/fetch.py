@@ -135,6 +135,8 @@ class Fetcher:
         """The command whose reply the waiting connection owes: ``("fetch", sources)`` (the
         script), ``("block", [source])`` (``BLMOVE``)."""
         self.closed = False
+        self._leaving = threading.Lock()
+        """Held by a renewal and by :meth:`release`: no renewal writes after the owner left."""
         self._client: redis.Redis | None = None
         self._scripts: dict[str, Script] = {}
 
@@ -204,16 +206,22 @@ class Fetcher:
 
     def beat(self) -> None:
         """Renew the lease, and the registry entry (a live worker may have cleared it while
-        this process did not answer for a whole lease)."""
-        pipe = self.client().pipeline(transaction=False)
-        pipe.set(self.lease_key, "1", px=self.lease_ms)
-        pipe.hset(self.owners_key, self.owner, self.entry)
-        pipe.execute()
+        this process did not answer for a whole lease); nothing once this owner left (the
+        heartbeat thread may hold a list of owners made before the close)."""
+        with self._leaving:
+            if self.closed:
+                return
+            pipe = self.client().pipeline(transaction=False)
+            pipe.set(self.lease_key, "1", px=self.lease_ms)
+            pipe.hset(self.owners_key, self.owner, self.entry)
+            pipe.execute()
 
     def release(self) -> int:
         """This owner leaves (warm shutdown): whatever is left in its lists goes back to the
-        head of their sources, and it leaves the registry."""
-        self.closed = True
+        head of their sources, and it leaves the registry (after a renewal under way, never
+        before one)."""
+        with self._leaving:
+            self.closed = True
         return _release(self.client(), self.script("release"), self.prefix, self.owner,
                         check_lease=False)
 
