@@ -468,6 +468,35 @@ def test_relay_cli_once_publishes_rq_and_celery_rows(
     rc.delete(celery_queue)
 
 
+def test_relay_cli_takes_the_lock_store_from_the_global_url(
+    engine: sa.Engine, queue: DedupQueue, rc: redis.Redis, redis_url: str
+) -> None:
+    """``taskdedup --url STORE outbox relay``: the RQ rows' locks go to STORE (as
+    ``TASKDEDUP_URL`` would send them), the jobs to ``RQ_REDIS_URL``; without it, to RQ's
+    own Redis."""
+    store_url = redis_url.rsplit("/", 1)[0] + "/13"
+    store = redis.Redis.from_url(store_url)
+    store.flushdb()
+    apart, together = label(), label()
+    rows = {apart: pack(queue, rq_record, apart), together: pack(queue, rq_record, together)}
+    keys = {name: queue.dedup.identity("tests.outbox_apps.rq_record", queue.dedup_policy,
+                                       (name,), {}, func=rq_record).key for name in rows}
+    url = engine.url.render_as_string(hide_password=False)
+    env = {"TASKDEDUP_URL": None, "CELERY_APP": None, "RQ_REDIS_URL": redis_url}
+    for name, prefix in ((apart, ["--url", store_url]), (together, [])):
+        insert(engine, rows[name])
+        out = CliRunner().invoke(main, [*prefix, "outbox", "relay", "--url", url, "--once",
+                                        "--grace", "0"], env=env)
+        assert (out.exit_code, out.output) == (0, "took 1 row\n"), out.output
+        assert published(rc, rows[name].id)
+    try:
+        assert store.get(keys[apart]) is not None and rc.get(keys[apart]) is None
+        assert store.get(keys[together]) is None and rc.get(keys[together]) is not None
+    finally:
+        store.flushdb()
+        rc.delete(keys[together])
+
+
 def test_sql_init_creates_both_tables(tmp_path: Path) -> None:
     engine = sa.create_engine(f"sqlite:///{tmp_path / 'both.sqlite'}")
     url = engine.url.render_as_string(hide_password=False)
