@@ -461,3 +461,38 @@ def test_a_gated_task_requeued_for_a_lost_pool_process_waits_for_its_locks_lease
                          "back to queued safely)")
     finally:
         worker.stop()
+
+
+def test_a_cold_shutdown_puts_the_tasks_it_cancels_back_at_the_head_of_their_queue(
+    fapp: Any, rc: redis.Redis, redis_url: str
+) -> None:
+    """Celery's cold shutdown (``SIGQUIT`` to the main process, as at the end of a soft
+    shutdown) cancels the acks-late bodies it runs: their messages, never acked, go back to the
+    head of the queue with the countdowns the worker held, in the order taken, nothing left in
+    a processing list, and the next worker runs each (the cancelled one again: at least once)."""
+    queue = name("cold")
+    worker = FetchWorker(redis_url, queue=queue, pool="prefork", concurrency=2).start()
+    second = None
+    try:
+        label = name("c")
+        handle = fapp.lost_once.apply_async((label,), queue=queue)
+        wait_for(lambda: ran(rc, label) == 1, timeout=20, what="the long body started")
+        later = [name("after") for _ in range(2)]
+        due = [fapp.work.apply_async((x,), queue=queue, countdown=3) for x in later]
+        wait_for(lambda: sum(h.held for h in owners_of(rc, worker)) == 3, timeout=20,
+                 what="the worker holds the running task and the countdowns")
+        assert worker.process is not None
+        os.kill(worker.pid, signal.SIGQUIT)  # the main process only: Celery's cold shutdown
+        worker.process.wait(timeout=60)
+        assert owners_of(rc, worker) == [] and held(rc) == 0
+        queued = rc.lrange(queue, 0, -1)
+        assert len(queued) == 3
+        assert handle.id.encode() in queued[-1]  # taken first: next out
+        second = FetchWorker(redis_url, queue=queue, pool="prefork", concurrency=2).start()
+        assert handle.get(timeout=30) == label and ran(rc, label) == 2
+        assert [h.get(timeout=30) for h in due] == later
+        assert {ran(rc, x) for x in later} == {1}
+    finally:
+        worker.kill()
+        if second is not None:
+            second.stop()
