@@ -77,10 +77,10 @@ class Project:
     def broker(self) -> redis.Redis:
         return redis.Redis.from_url(self.env["REDIS_URL"])
 
-    def run(self, *args: str, timeout: float = 90.0, check: bool = True
-            ) -> subprocess.CompletedProcess[str]:
+    def run(self, *args: str, timeout: float = 90.0, check: bool = True,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
         done = subprocess.run(
-            [sys.executable, "manage.py", *args], cwd=PROJECT, env=self.env,
+            [sys.executable, "manage.py", *args], cwd=PROJECT, env={**self.env, **(env or {})},
             capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
         )
         if check:
@@ -687,6 +687,24 @@ def test_relay_refuses_bad_options_and_stops_on_sigint(project: Project) -> None
             relay.kill()
     assert relay.returncode == 0, output
     assert "taskdedup relay: stopped" in output and "Traceback" not in output, output
+
+
+def test_a_wrong_alias_or_a_database_without_the_table_is_one_line_and_exit_1(
+    project: Project,
+) -> None:
+    """``taskdedup_relay`` and ``taskdedup_outbox_status`` on an alias that is not in
+    ``DATABASES``, or on a database that was never migrated: Django's one-line
+    ``CommandError`` and exit 1 at once (the relay does not start polling a table that is not
+    there, warning forever)."""
+    empty = {"DJANGO_OTHER_DATABASE_URL": f"sqlite:///{project.tmp / 'never-migrated.sqlite'}"}
+    cases = [(("--database", "nope"), None, "'nope' is not a database"),
+             (("--database", "other"), empty, "manage.py migrate taskdedup --database other")]
+    for args, env, message in cases:
+        for command in (("taskdedup_outbox_status", "--json"), ("taskdedup_relay",)):
+            done = project.run(*command, *args, check=False, env=env, timeout=30)
+            assert done.returncode == 1, done.stdout + done.stderr
+            assert "CommandError" in done.stderr and message in done.stderr, done.stderr
+            assert "Traceback" not in done.stderr and not done.stdout, done.stderr
 
 
 # -- another database alias: using="other" -------------------------------------------------

@@ -27,7 +27,7 @@ from .models import OutboxRow
 if TYPE_CHECKING:
     from ..outbox import Backlog, Envelope, Row
 
-__all__ = ["LEASE", "DjangoRowSource", "add"]
+__all__ = ["LEASE", "DjangoRowSource", "add", "check_table"]
 
 logger = logging.getLogger("taskdedup")
 
@@ -110,6 +110,34 @@ def _publish_committed(alias: str, envelope: Envelope, target: Any) -> None:
             "taskdedup: outbox call %s published, but its row was not deleted (%s); the relay "
             "will publish it again, and it will still run once", envelope.id, describe(exc),
         )
+
+
+def check_table(using: str) -> None:
+    """That database ``using`` is configured and its ``taskdedup_outbox`` answers (the
+    management commands check it first: a wrong alias, a database that is down or a table
+    not migrated is one line and exit 1, not a traceback or a relay warning forever).
+
+    Raises:
+        ConfigurationError: saying which, and what to do.
+    """
+    from django.db import DatabaseError
+    from django.utils.connection import ConnectionDoesNotExist
+
+    from ..outbox import describe
+
+    try:
+        connections[using]
+    except ConnectionDoesNotExist:
+        raise ConfigurationError(
+            f"--database {using!r} is not a database of settings.DATABASES "
+            f"({', '.join(connections.settings) or 'none'})") from None
+    try:
+        OutboxRow.objects.using(using).exists()
+    except DatabaseError as exc:
+        raise ConfigurationError(
+            f"the outbox table taskdedup_outbox on database {using!r} cannot be read "
+            f"({describe(exc)}): is the database up, and migrated (manage.py migrate "
+            f"taskdedup --database {using})?") from None
 
 
 class DjangoRowSource:

@@ -8,7 +8,7 @@ import json
 from datetime import UTC, datetime
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandParser
+from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 __all__ = ["Command"]
 
@@ -23,8 +23,13 @@ class Command(BaseCommand):  # type: ignore[misc]
         parser.add_argument("--json", action="store_true", help="one JSON object")
 
     def handle(self, *args: Any, **options: Any) -> None:
-        from taskdedup.django.outbox import DjangoRowSource
+        from taskdedup.django.outbox import DjangoRowSource, check_table
+        from taskdedup.exceptions import ConfigurationError
 
+        try:  # a wrong alias, a database down, no table: one line and exit 1
+            check_table(options["database"])
+        except ConfigurationError as exc:
+            raise CommandError(str(exc)) from None
         now = datetime.now(UTC)
         targets = [b.as_dict(now) for b in DjangoRowSource(options["database"]).backlog()]
         ages = [float(str(t["oldest_age_s"])) for t in targets]

@@ -34,8 +34,9 @@ class Command(BaseCommand):  # type: ignore[misc]
                             help="publish one batch, then exit (cron, tests)")
 
     def handle(self, *args: Any, **options: Any) -> None:
-        from taskdedup.django.outbox import DjangoRowSource
+        from taskdedup.django.outbox import DjangoRowSource, check_table
         from taskdedup.django.project import publisher
+        from taskdedup.exceptions import ConfigurationError
         from taskdedup.outbox import Relay
 
         for option, bad, wanted in (("batch", options["batch"] < 1, "at least 1"),
@@ -43,6 +44,10 @@ class Command(BaseCommand):  # type: ignore[misc]
                                     ("poll", options["poll"] <= 0, "more than 0")):
             if bad:
                 raise CommandError(f"--{option} must be {wanted}, got {options[option]:g}")
+        try:
+            check_table(options["database"])
+        except ConfigurationError as exc:
+            raise CommandError(str(exc)) from None
         relay = Relay(DjangoRowSource(options["database"]), publisher(),
                       batch=options["batch"], grace=options["grace"], poll=options["poll"])
         if options["once"]:
