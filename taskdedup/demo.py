@@ -33,6 +33,7 @@ from typing import Any
 import click
 import redis
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
 
@@ -162,8 +163,8 @@ def _run_rq(tally: Tally) -> None:
     once = DedupQueue(QUEUE, connection=_redis(), dedup=Policy(mode="until_executed"),
                       dedup_prefix=PREFIX)
 
-    def send(call: Callable[[], Any]) -> Any:
-        tally.sent += 1
+    def send(kind: str, call: Callable[[], Any]) -> Any:
+        tally.count(kind)
         job = call()
         if job is not None:
             tally.handles.append(job.id)
@@ -171,18 +172,18 @@ def _run_rq(tally: Tally) -> None:
 
     for _ in range(WEBHOOK_DELIVERIES):
         for order in ORDERS:
-            first = send(partial(queue.enqueue, rq_charge, order, 5000))
-    send(partial(once.enqueue, rq_send_welcome, 7))
-    send(partial(once.enqueue, rq_send_welcome, 7))
+            first = send(WEBHOOKS, partial(queue.enqueue, rq_charge, order, 5000))
+    send(CLICKS, partial(once.enqueue, rq_send_welcome, 7))
+    send(CLICKS, partial(once.enqueue, rq_send_welcome, 7))
     retry = Retry(max=3, interval=int(FLAKY_COUNTDOWN))
-    send(partial(once.enqueue, rq_sync_inventory, "SKU-1", retry=retry))
+    send(SYNCS, partial(once.enqueue, rq_sync_inventory, "SKU-1", retry=retry))
     # A redelivered copy of a job (same identity in its meta, new id) that skips the gate:
-    tally.sent += 1
+    tally.count(REDELIVERY)
     tally.bypassed += 1
     copy = queue.create_job(rq_charge, args=(ORDERS[-1], 5000), meta=dict(first.meta))
     queue.enqueue_job(copy)
     _wait(lambda: _attempts("rq", "SKU-1") >= 1, "first inventory attempt")
-    send(partial(once.enqueue, rq_sync_inventory, "SKU-1", retry=retry))
+    send(SYNCS, partial(once.enqueue, rq_sync_inventory, "SKU-1", retry=retry))
 
 
 def _rq_worker(env: dict[str, str]) -> Any:
@@ -320,8 +321,9 @@ def _returned(run: DurableRun) -> str:
 
 
 def _report_durable(console: Console, runs: list[DurableRun]) -> bool:
-    table = Table(title=f"durable tier (taskdedup.sql, SQLite): charge {DURABLE_ORDER}, "
-                        "work-horse SIGKILLed after its commit, retried with the same job id")
+    console.print(f"durable tier (taskdedup.sql, SQLite): charge {DURABLE_ORDER}, work-horse "
+                  "SIGKILLed after its commit, retried with the same job id", soft_wrap=True)
+    table = Table()
     for column in ("", "runs", "ledger rows", "the retry returned", "once"):
         table.add_column(column, justify="left" if column in ("", "the retry returned")
                          else "right")
@@ -334,12 +336,14 @@ def _report_durable(console: Console, runs: list[DurableRun]) -> bool:
                                                                      "attempt": 1}
     if ok:
         console.print("[green]✓[/] with taskdedup.sql the retry found the committed row: one "
-                      "ledger row, and it returned the first run's stored result")
+                      "ledger row, and it returned the first run's stored result",
+                      soft_wrap=True)
     else:
         console.print(f"[red]✗[/] with taskdedup.sql: {durable.ledger_rows} ledger rows, "
-                      f"{durable.runs} runs, the retry returned {_returned(durable)}")
+                      f"{durable.runs} runs, the retry returned {_returned(durable)}",
+                      soft_wrap=True)
     console.print(f"  without it the same kill booked the charge {plain.ledger_rows} times "
-                  "(the at-least-once case the row closes)")
+                  "(the at-least-once case the row closes)", soft_wrap=True)
     return ok
 
 
@@ -352,10 +356,22 @@ class Tally:
     sent: int = 0
     handles: list[str] = field(default_factory=list)
     bypassed: int = 0
+    kinds: dict[str, int] = field(default_factory=dict)
+    """How many of the calls sent were of each kind (:data:`WEBHOOKS`, ...)."""
+
+    def count(self, kind: str) -> None:
+        self.sent += 1
+        self.kinds[kind] = self.kinds.get(kind, 0) + 1
 
     @property
     def enqueued(self) -> int:
         return len(set(self.handles)) + self.bypassed
+
+
+WEBHOOKS = f"payment webhooks ({len(ORDERS)} orders, each delivered {WEBHOOK_DELIVERIES} times)"
+CLICKS = "clicks on one welcome e-mail (a double click)"
+SYNCS = "calls of an inventory sync that fails once (the second while it waits to retry)"
+REDELIVERY = "redelivered copy that never went through the gate"
 
 
 EXPECTED = {
@@ -369,25 +385,25 @@ def _run_celery(tally: Tally) -> None:
     app = _celery_app()
     charge_task, welcome_task, sync_task = app.demo_tasks
 
-    def send(call: Callable[[], Any]) -> None:
-        tally.sent += 1
+    def send(kind: str, call: Callable[[], Any]) -> None:
+        tally.count(kind)
         result = call()
         if result is not None:
             tally.handles.append(result.id)
 
     for _ in range(WEBHOOK_DELIVERIES):  # the provider retries every payment webhook
         for order in ORDERS:
-            send(partial(charge_task.delay, order, 5000))
-    send(lambda: welcome_task.delay(7))  # a double click
-    send(lambda: welcome_task.delay(7))
-    send(lambda: sync_task.delay("SKU-1"))  # fails once, retried
+            send(WEBHOOKS, partial(charge_task.delay, order, 5000))
+    send(CLICKS, lambda: welcome_task.delay(7))  # a double click
+    send(CLICKS, lambda: welcome_task.delay(7))
+    send(SYNCS, lambda: sync_task.delay("SKU-1"))  # fails once, retried
     # A redelivery that never saw the gate (another producer, a requeued message):
-    tally.sent += 1
+    tally.count(REDELIVERY)
     tally.bypassed += 1
     app.send_task("demo.celery.charge", (ORDERS[0], 5000), queue=QUEUE)
     # A duplicate while the flaky task waits for its retry: still suppressed.
     _wait(lambda: _attempts("celery", "SKU-1") >= 1, "first inventory attempt")
-    send(lambda: sync_task.delay("SKU-1"))
+    send(SYNCS, lambda: sync_task.delay("SKU-1"))
 
 
 def _attempts(framework: str, what: str) -> int:
@@ -508,11 +524,13 @@ def _demo(ctx: click.Context, demo_url: str | None, console: Console) -> bool:
 
         tallies: dict[str, Tally] = {}
         with Progress(TextColumn("{task.description}"), BarColumn(),
-                      TextColumn("{task.completed}/{task.total}"), console=console) as progress:
+                      TextColumn("{task.completed}/{task.total} {task.fields[unit]}"),
+                      console=console) as progress:
             for name, worker, run in (("Celery", _celery_worker, _run_celery),
                                       ("RQ", _rq_worker, _run_rq)):
                 framework = name.lower()
-                job = progress.add_task(f"{name}: starting a real worker", total=len(EXPECTED))
+                job = progress.add_task(f"{name}: starting a real worker", total=len(EXPECTED),
+                                        unit="side effects seen")
                 with worker(env):
                     progress.update(job, description=f"{name}: firing duplicates")
                     tallies[name] = tally = Tally()
@@ -523,7 +541,7 @@ def _demo(ctx: click.Context, demo_url: str | None, console: Console) -> bool:
             durable_runs: list[DurableRun] = []
             if importlib.util.find_spec("sqlalchemy") is not None:
                 job = progress.add_task("durable tier: starting a real RQ worker",
-                                        total=len(DURABLE_VARIANTS))
+                                        total=len(DURABLE_VARIANTS), unit="runs killed and retried")
                 directory = stack.enter_context(
                     tempfile.TemporaryDirectory(prefix="taskdedup-demo-sql-"))
                 os.environ["TASKDEDUP_DEMO_SQL"] = env["TASKDEDUP_DEMO_SQL"] = os.path.join(
@@ -562,6 +580,28 @@ def _clean() -> None:
     client.delete(QUEUE)
 
 
+def _legend(tallies: dict[str, Tally]) -> list[str]:
+    """What each column of the demo's table means, the sends broken down by kind."""
+    sends = {name: tuple(f"  {n} {escape(kind)}" for kind, n in tally.kinds.items())
+             for name, tally in tallies.items()}
+    if len(set(sends.values())) == 1:
+        sent = list(next(iter(sends.values())))
+    else:
+        sent = [f" {name}:\n" + "\n".join(lines) for name, lines in sends.items()]
+    return [
+        "[bold]sent[/]: calls made, as a busy system makes them:", *sent,
+        "[bold]enqueued[/]: messages that reached the queue (one per distinct call, and the "
+        "redelivered copy)",
+        "[bold]suppressed[/]: duplicates refused at enqueue, sent - enqueued (the caller got "
+        "the original's handle)",
+        "[bold]skipped[/]: duplicates that reached a worker without the gate and did not run",
+        "[bold]executed[/]: task bodies that ran and made their side effect",
+        "[bold]retried[/]: runs that failed and were retried by the framework (the inventory "
+        "sync, once)",
+        "[bold]once[/]: every side effect happened exactly once",
+    ]
+
+
 def _report(console: Console, tallies: dict[str, Tally]) -> bool:
     table = Table(title="taskdedup demo: duplicates in, exactly-once effects out")
     for column in ("", "sent", "enqueued", "suppressed", "skipped", "executed", "retried",
@@ -580,17 +620,16 @@ def _report(console: Console, tallies: dict[str, Tally]) -> bool:
             "[green]yes[/]" if once else "[red]NO[/]",
         )
     console.print(table)
-    console.print(
-        "suppressed: duplicates refused at enqueue (the caller got the original's handle); "
-        "skipped: duplicates that reached a worker without the gate and did not run"
-    )
+    for line in _legend(tallies):  # one whole line each: never wrapped, in a pipe or not
+        console.print(line, soft_wrap=True, highlight=False)
     for name in tallies:
         effects = _effects(name.lower())
         wrong = {what: n for what, n in effects.items() if n != 1}
         missing = EXPECTED - set(effects)
         if not wrong and not missing:
             console.print(f"[green]✓[/] {name}: each of the {len(EXPECTED)} side effects "
-                          f"({', '.join(sorted(EXPECTED))}) happened exactly once")
+                          f"({', '.join(sorted(EXPECTED))}) happened exactly once",
+                          soft_wrap=True)
         for what, n in sorted(wrong.items()):
             console.print(f"[red]✗[/] {name}: {what} happened {n} times")
         for what in sorted(missing):

@@ -15,12 +15,19 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.mark.slow
 def test_demo_proves_exactly_once_against_real_workers(redis_url: str) -> None:
-    done = subprocess.run(
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    done = subprocess.run(  # piped: 80 columns, as `taskdedup demo | cat` (#24 stumble 9)
         [sys.executable, "-m", "taskdedup", "demo", "--url", redis_url],
-        cwd=ROOT, capture_output=True, text=True, timeout=240,
-        env={**os.environ, "COLUMNS": "120"},
+        cwd=ROOT, capture_output=True, text=True, timeout=240, env=env,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    for column in COLUMNS:  # every column defined, each definition on one whole line
+        assert any(line.startswith(f"{column}: ") for line in lines), column
+    assert "  15 payment webhooks (5 orders, each delivered 3 times)" in lines
+    assert "  1 redelivered copy that never went through the gate" in lines
+    assert any(line.startswith("✓ RQ: each of the 7 side effects") and
+               line.endswith("happened exactly once") for line in lines)
     rows = [line for line in done.stdout.splitlines() if line.startswith(("│ Celery", "│ RQ"))]
     assert len(rows) == 2
     for row in rows:  # sent, enqueued, suppressed, skipped, executed, retried, once
@@ -30,6 +37,39 @@ def test_demo_proves_exactly_once_against_real_workers(redis_url: str) -> None:
     client = redis.Redis.from_url(redis_url)
     workers = list(client.scan_iter("rq:worker:taskdedup-demo-*"))
     assert workers and all(client.hexists(k, "death") for k in workers)
+
+COLUMNS = ("sent", "enqueued", "suppressed", "skipped", "executed", "retried", "once")
+
+
+def test_the_legend_defines_every_column_and_breaks_down_the_sends_without_wrapping(
+    redis_url: str,
+) -> None:
+    """#24 stumble 9: the legend defined 2 of 7 columns, in a paragraph that a pipe's 80
+    columns wrapped mid-phrase."""
+    import re
+
+    from rich.console import Console
+
+    from taskdedup import demo
+
+    demo.URL, demo._client = redis_url, None
+    tally = demo.Tally(handles=["a"])
+    for kind, n in ((demo.WEBHOOKS, 15), (demo.CLICKS, 2), (demo.SYNCS, 2),
+                    (demo.REDELIVERY, 1)):
+        for _ in range(n):
+            tally.count(kind)
+    console = Console(record=True, width=80, force_terminal=False)
+    demo._report(console, {"Celery": tally, "RQ": tally})
+    lines = console.export_text().splitlines()
+    header = next(line for line in lines if "suppressed" in line)
+    assert [c.strip() for c in header.strip("┃").split("┃")][1:] == list(COLUMNS)
+    defined = [line for line in lines if re.match(r"[a-z]+: ", line)]
+    assert [line.split(":")[0] for line in defined] == list(COLUMNS)
+    assert all(len(line) > 40 for line in defined)  # whole sentences, none cut to a stub
+    breakdown = lines[lines.index(defined[0]) + 1:lines.index(defined[1])]
+    assert sum(int(line.split()[0]) for line in breakdown) == tally.sent == 20
+    assert f"  2 {demo.SYNCS}" in breakdown
+
 
 def test_demo_report_fails_when_an_effect_ran_twice(redis_url: str) -> None:
     from rich.console import Console
