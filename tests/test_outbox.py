@@ -426,16 +426,20 @@ def test_status_cli(engine: sa.Engine, queue: DedupQueue, tmp_path: Path) -> Non
     assert (out.exit_code, out.output) == (0, "the outbox is empty\n")
     out = runner.invoke(main, ["outbox", "status", "--url", url, "--json"])
     assert (out.exit_code, json.loads(out.output)) == (
-        0, {"rows": 0, "oldest_age_s": None, "targets": []})
+        0, {"rows": 0, "oldest_age_s": None, "failing": 0, "targets": []})
     for _ in range(2):
         insert(engine, pack(queue, rq_record, label()), age=90)
     insert(engine, pack(record, label()), age=5)
+    with engine.begin() as conn:  # one of them failed once: counted at the top, for a probe
+        conn.execute(sa.update(OUTBOX).where(OUTBOX.c.kind == "celery").values(
+            attempts=1, last_error="LookupError: gone"))
     out = runner.invoke(main, ["outbox", "status", "--url", url, "--json"],
                         env={"TASKDEDUP_SQL_URL": None})
     report = json.loads(out.output)
     assert out.exit_code == 0 and report["rows"] == 3 and 89 < report["oldest_age_s"] < 120
+    assert report["failing"] == 1
     assert [(t["kind"], t["target"], t["rows"], t["failing"]) for t in report["targets"]] == [
-        ("celery", "outbox.record", 1, 0), ("rq", queue.name, 2, 0)]
+        ("celery", "outbox.record", 1, 1), ("rq", queue.name, 2, 0)]
     out = runner.invoke(main, ["outbox", "status"], env={"TASKDEDUP_SQL_URL": url})
     assert out.exit_code == 0 and "3 rows, the oldest" in out.output
     assert queue.name in out.output and "outbox.record" in out.output

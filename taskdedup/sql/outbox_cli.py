@@ -161,7 +161,8 @@ def status_command(url: str | None, as_json: bool) -> None:
     ages = [max(0.0, (now - b.oldest).total_seconds()) for b in backlogs]
     if as_json:
         click.echo(json.dumps({"rows": total, "oldest_age_s": round(max(ages), 3) if ages
-                               else None, "targets": [b.as_dict(now) for b in backlogs]}))
+                               else None, "failing": sum(b.failing for b in backlogs),
+                               "targets": [b.as_dict(now) for b in backlogs]}))
         return
     if not backlogs:
         click.echo("the outbox is empty")
