@@ -83,14 +83,23 @@ def fuses(app: Celery) -> bool:
     return cached
 
 
+FUSED_TEXT = ("each deduplicated call is checked for duplicates in the same Redis call that "
+              "queues it: no extra round trip")
+APART_TEXT = ("each deduplicated call is checked for duplicates in a Redis call of its own "
+              "before it is queued: one extra round trip")
+
+
 def say_publish_path(app: Celery) -> None:
-    """Log the publish path chosen for ``app`` (INFO); nothing when none was chosen yet.
+    """Log the publish path chosen for ``app``: what it means for the user in one plain
+    sentence at INFO, how and why at DEBUG; nothing when none was chosen yet.
 
     Said when the choice is made, and again by a worker once its logging is set up (the
     choice is made when tasks are bound, before Celery configures a worker's logging)."""
     why = app.__dict__.get("_taskdedup_fuses_why")
     if why is not None:
-        logger.info("taskdedup: Celery app %r: %s", app.main, why)
+        fused = app.__dict__.get("_taskdedup_fuses")
+        logger.info("taskdedup: Celery app %r: %s", app.main, FUSED_TEXT if fused else APART_TEXT)
+        logger.debug("taskdedup: Celery app %r publish path: %s", app.main, why)
 
 
 def _choose(app: Celery) -> tuple[bool, str]:
