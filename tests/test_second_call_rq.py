@@ -6,11 +6,14 @@ them, one with the scheduler; SPEC §15, issue #22).
   never beside another run of its identity.
 - ``busy_timeout``: a job that has waited that long ends FAILED with
   :class:`taskdedup.BusyTimeoutError` naming the holder, without running.
+- A SIGKILLed holder (its work-horse and its worker): its lock lapses within its lease and
+  the waiting jobs then run, one at a time, never beside it.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import time
 import uuid
 
@@ -97,3 +100,42 @@ def test_a_wait_past_busy_timeout_fails_clearly_and_never_runs(
     rc.set(f"go:{name}", 1)
     wait_for(lambda: final(holder), timeout=30, what="the holder ended")
     assert holder.return_value() == 0 and "start1" not in recorded(rc, name)
+
+
+def test_a_killed_holder_frees_its_waiting_jobs_within_its_lease(
+    workers: list[RqWorker], rc: redis.Redis, redis_url: str
+) -> None:
+    """The holder runs on a worker of its own queue; its work-horse and that worker are
+    SIGKILLed mid-body: its running lock is no longer renewed and lapses within its lease
+    (8 s); the two jobs waiting for it (on the shared workers) then run, one at a time, within
+    the lease plus a put-off (lease / 4) and RQ's scheduler (once a second) of the kill."""
+    own = f"{QUEUE}-holder-{label()}"
+    victim = RqWorker(redis_url, [own], scheduler=False).start()
+    try:
+        name = label()
+        holder = DedupQueue(own, connection=rc, dedup=queue(rc).dedup_policy)  # same policy
+        holder.enqueue(second_call_jobs.hold, name, 0, True)
+        wait_for(lambda: "start0" in recorded(rc, name), timeout=30, what="the holder runs")
+        q = queue(rc)
+        waiting = [q.enqueue(second_call_jobs.hold, name, n) for n in (1, 2)]
+        wait_for(lambda: all(j.get_status() == "scheduled" for j in waiting), timeout=30,
+                 interval=0.1, what="the two jobs scheduled again")
+        horse = int(rc.get(f"pid:{name}:0") or 0)
+        assert horse > 0
+        os.kill(horse, signal.SIGKILL)
+        victim.kill()
+        killed = time.monotonic()
+        rc.decr(f"busy:{name}")  # the killed body's own decrement, which it never made
+        for job in waiting:
+            wait_for(lambda job=job: final(job), timeout=30, what=f"job {job.id} ended")
+        assert time.monotonic() - killed <= 8 + 2 + 3
+        assert [job.get_status() for job in waiting] == ["finished"] * 2
+        assert [job.return_value() for job in waiting] == [1, 2]
+        runs = recorded(rc, name)
+        assert runs[0] == "start0" and "end0" not in runs and "overlap" not in runs, runs
+        rest = runs[1:]
+        assert sorted(rest) == ["end1", "end2", "start1", "start2"], runs
+        for i in range(0, len(rest), 2):  # one at a time: each start followed by its own end
+            assert rest[i + 1] == "end" + rest[i].removeprefix("start"), runs
+    finally:
+        victim.kill()
