@@ -196,6 +196,51 @@ def test_the_chart_plots_the_duplicate_rate_between_samples(
     assert [r for _, r in history.rates()["app.charge"]] == [0.75, 0.0]
 
 
+def test_the_chart_draws_lines_across_samples_taken_between_two_flushes() -> None:
+    """#24 stumble 10: with --sample-every 2 and counts flushed every 5 s, every other
+    interval saw no change and the chart was scattered dots; an idle spell still breaks it."""
+    from taskdedup.web.render import rate_chart
+
+    def lines(series: list[tuple[float, float | None]], every: float) -> list[int]:
+        svg = rate_chart({"app.charge": series}, every=every)
+        return [len(points.split()) for points in re.findall(r'<polyline[^>]* points="([^"]*)"',
+                                                             svg)]
+
+    flushed = [(t, 0.5 if t % 6 == 0 else None) for t in range(0, 62, 2)]  # 2 s samples
+    assert lines(flushed, every=2) == [11]  # one line through all 11 flushed points
+    idle = [(0.0, 0.2), (10.0, 0.3), (20.0, None), (30.0, None), (40.0, 0.4), (50.0, 0.5)]
+    assert lines(idle, every=10) == [2, 2]  # 20 s without an enqueue: a gap, not a zero
+
+
+def test_headers_say_what_they_count_owner_ids_stay_whole_and_the_lock_page_has_no_empty_header(
+    make_app: Callable[..., TestClient], dedup: Deduplicator, redis_client: redis.Redis,
+) -> None:
+    """#24 stumbles 11 and 12: 'lease lost (+78s)' headers, a "seen for" column under
+    "Oldest" that counted from the first page load, owner ids wrapped mid-UUID, a stray
+    '- | -' header row on a lock's page."""
+    owner = "0b5e4cde-6a4c-4e0f-9d63-2f1e3b8a7c11"
+    key = take(dedup, "app.charge", SECRET, owner)
+    redis_client.hset(stats_key("taskdedup", "app.charge"), mapping={"reserved": 1})
+    web = make_app()
+    text = web.get("/").text
+    stats_table = text[text.index('id="stats"'):]
+    headers = re.findall(r"<th>([^<]*)</th>", stats_table[:stats_table.index("</thead>")])
+    assert headers == ["task", "accepted", "duplicates", "dup rate", "skipped",
+                       "released on failure", "lease lost", "store errors"]
+    assert 'id="stats-note"' in text and "(+n)</code> are those of the last" in text
+    assert "Oldest" not in text and "seen for" not in text
+    oldest = text[text.index('id="oldest"'):]
+    assert "<th>first seen by this dashboard</th>" in oldest
+    assert re.search(r"<td>\d\d:\d\d:\d\d UTC, \d+s ago</td>", oldest)
+    assert f'<code class="id">{owner}</code>' in oldest
+    assert re.search(r"code\.id\{[^}]*white-space:nowrap", text)  # never broken inside
+    page = web.get("/lock", params={"key": key}).text
+    detail = page[page.index('id="lock"'):page.index("</table>", page.index('id="lock"'))]
+    assert "<thead>" not in detail and "<th>-</th>" not in detail
+    assert '<th scope="row">owner (task id)</th><td><code class="id">' in detail
+    assert '<th scope="row">first seen by this dashboard</th>' in detail
+
+
 def test_clearing_is_refused_when_the_app_is_read_only(
     make_app: Callable[..., TestClient], dedup: Deduplicator, redis_client: redis.Redis,
 ) -> None:

@@ -123,7 +123,7 @@ def home(request: Request) -> Response:
                   f"(the scan stops at {dash.scan_cap} keys); see all locks for the rest</p>")
     oldest_rows = render.lock_rows(
         root, [lock for lock, _ in view.oldest],
-        extra={lock.key: render.age_text(now - first) for lock, first in view.oldest},
+        extra={lock.key: render.first_seen_text(first, now) for lock, first in view.oldest},
     )
     error = dash.history.last_error
     body = "".join([
@@ -143,11 +143,13 @@ def home(request: Request) -> Response:
         "<h2>Expiring soonest</h2>",
         render.table(["key", "task", "scope", "state", "owner", "ttl"],
                      render.lock_rows(root, view.soonest), table_id="soonest"),
-        "<h2>Oldest (seen longest by this dashboard)</h2>",
-        render.table(["key", "task", "scope", "state", "owner", "ttl", "seen for"],
-                     oldest_rows, table_id="oldest"),
-        '<p class="muted">Redis does not record when a key was written: ages count from '
-        "the first time this dashboard saw the lock with its owner.</p>",
+        "<h2>Held longest, as far as this dashboard has watched</h2>",
+        render.table(["key", "task", "scope", "state", "owner", "ttl",
+                      "first seen by this dashboard"], oldest_rows, table_id="oldest"),
+        '<p class="muted">Not the locks\' ages: Redis does not record when a key was written '
+        "(and a running lock's heartbeat keeps renewing its TTL), so this counts from the "
+        "first time this dashboard saw the lock with its owner; a lock older than the "
+        "dashboard shows when the dashboard first looked.</p>",
     ])
     return _html(request, "overview", body, refresh=30)
 
@@ -248,10 +250,10 @@ def lock_detail(request: Request) -> Response:
         ["task", esc(lock.task)],
         ["scope", esc(lock.scope)],
         ["state", esc(lock.state)],
-        ["owner (task id)", f"<code>{esc(lock.owner)}</code>"],
+        ["owner (task id)", render.owner_cell(lock.owner)],
         ["ttl", esc(ttl_text(lock.ttl_ms))],
         ["idempotency check", "set (explicit dedup_key)" if lock.check else "not set"],
-        ["seen by this dashboard for", esc(render.age_text(time.time() - first))],
+        ["first seen by this dashboard", esc(render.first_seen_text(first, time.time()))],
     ]
     if dash.allow_clear and (shown(lock.key) != lock.key or shown(lock.owner) != lock.owner):
         # the page shows them escaped, so a form would post back text that is not the key
@@ -271,7 +273,7 @@ def lock_detail(request: Request) -> Response:
     else:
         clear = ('<p class="muted" id="read-only">Read-only: start the dashboard with '
                  "<code>--allow-clear</code> to clear locks (a token is asked for).</p>")
-    body = (render.table(["", ""], rows, table_id="lock")
+    body = (render.fields_table([(name, value) for name, value in rows], table_id="lock")
             + '<p class="muted">Keys hold a digest of the arguments, never their values.</p>'
             + clear)
     return _html(request, "lock", body)

@@ -12,7 +12,7 @@ from urllib.parse import urlencode
 
 from ..locks import Lock, key_name, shown, ttl_text
 from ..processing import Holder
-from ..stats import TaskStats
+from ..stats import DEFAULT_INTERVAL, TaskStats
 from .data import STATES
 
 __all__ = ["age_text", "esc", "page", "rate_chart", "table"]
@@ -28,6 +28,7 @@ nav a{margin-right:1rem} .muted{color:#666} .warn{color:#a40000}
 table{border-collapse:collapse;margin:.3rem 0} th,td{padding:.2rem .6rem;text-align:left;
 border-bottom:1px solid #ddd;vertical-align:top} th{background:#f4f4f4}
 td.n{text-align:right;font-variant-numeric:tabular-nums} code{font-size:12px;word-break:break-all}
+code.id{word-break:normal;white-space:nowrap} table.fields th{background:none;font-weight:600}
 .banner{padding:.4rem .7rem;background:#f4f4f4;border-left:4px solid #888;margin:.6rem 0}
 .banner.bad{border-color:#a40000} form{margin:.8rem 0}
 """
@@ -64,6 +65,11 @@ def clock_text(epoch: float) -> str:
     return time.strftime("%H:%M:%S UTC", time.gmtime(epoch))
 
 
+def first_seen_text(first: float, now: float) -> str:
+    """When this dashboard first saw something, as a time of day and how long ago."""
+    return f"{clock_text(first)}, {age_text(now - first)} ago"
+
+
 def table(headers: Sequence[str], rows: Iterable[Sequence[str]], *, numeric: Sequence[int] = (),
           table_id: str | None = None, empty: str = "none") -> str:
     """A table from ``rows`` of cells that are already HTML."""
@@ -79,6 +85,18 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[str]], *, numeric: Seq
     head = "".join(f"<th>{esc(name)}</th>" for name in headers)
     ident = f' id="{esc(table_id)}"' if table_id else ""
     return f"<table{ident}><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+
+
+def fields_table(rows: Iterable[tuple[str, str]], *, table_id: str) -> str:
+    """A name/value table (one thing's fields): the names head their rows, no header row."""
+    body = "".join(f'<tr><th scope="row">{esc(name)}</th><td>{value}</td></tr>'
+                   for name, value in rows)
+    return f'<table class="fields" id="{esc(table_id)}"><tbody>{body}</tbody></table>'
+
+
+def owner_cell(owner: str) -> str:
+    """An owner (task or job id): kept on one line, never broken inside the id."""
+    return f'<code class="id">{esc(owner)}</code>'
 
 
 def page(title: str, body: str, *, root: str, where: str, read_only: bool,
@@ -107,7 +125,7 @@ def lock_rows(root: str, locks: Iterable[Lock], *, extra: Mapping[str, str] | No
     for lock in locks:
         row = [
             link(root, "/lock", lock.key, key=lock.key),
-            esc(lock.task), esc(lock.scope), esc(lock.state), f"<code>{esc(lock.owner)}</code>",
+            esc(lock.task), esc(lock.scope), esc(lock.state), owner_cell(lock.owner),
             esc(ttl_text(lock.ttl_ms)),
         ]
         if extra is not None:
@@ -123,8 +141,7 @@ def holder_rows(holders: Iterable[Holder]) -> list[list[str]]:
     for holder in holders:
         lease = ('<span class="warn">lapsed: orphan</span>' if holder.orphan
                  else esc(ttl_text(holder.ttl_ms)))
-        who = [esc(holder.worker or holder.owner), esc(holder.pid),
-               f"<code>{esc(holder.owner)}</code>"]
+        who = [esc(holder.worker or holder.owner), esc(holder.pid), owner_cell(holder.owner)]
         for source, size in sorted(holder.lists.items()) or [("", 0)]:
             rows.append([*who, f"<code>{esc(source)}</code>", str(size), lease])
     return rows
@@ -164,12 +181,18 @@ def stats_table(stats: Mapping[str, TaskStats], window: Mapping[str, Mapping[str
             _flag(lost, recent.get("lease_lost")), _flag(errors, recent.get("store_errors")),
             *(str(item.second_calls[n]) for n in extra),
         ])
-    return table(
-        ["task", "accepted", "duplicates", "dup rate", "skipped", "released (failure)",
-         f"lease lost (+{window_text})", f"store errors (+{window_text})", *extra],
+    found = table(
+        ["task", "accepted", "duplicates", "dup rate", "skipped", "released on failure",
+         "lease lost", "store errors", *extra],
         rows, numeric=tuple(range(1, 8 + len(extra))), table_id="stats",
         empty="no stats flushed yet (producers and workers flush them every few seconds)",
     )
+    if not rows:
+        return found
+    return found + (
+        '<p class="muted" id="stats-note">Counts since the counters began. Lease lost and '
+        f"store errors: <code>(+n)</code> are those of the last {esc(window_text)}, in red "
+        "while there are any.</p>")
 
 
 def limits_table(rows: Mapping[str, Mapping[str, int]]) -> str:
@@ -220,6 +243,10 @@ def rate_chart(rates: Mapping[str, Sequence[tuple[float, float | None]]], *, eve
         parts.append("</svg>")
         return "".join(parts)
     start, end = min(times), max(times)
+    # Producers and workers flush their counts every few seconds (stats.DEFAULT_INTERVAL): a
+    # sample taken between two flushes sees no change. A line goes on across such samples and
+    # breaks only where no enqueue was flushed for longer than a flush and a sample.
+    bridge = every + DEFAULT_INTERVAL
     if end - start < every:
         start = end - every
     span = end - start
@@ -232,9 +259,13 @@ def rate_chart(rates: Mapping[str, Sequence[tuple[float, float | None]]], *, eve
         color = PALETTE[index]
         points = rates[task]
         run: list[str] = []
-        for t, rate in [*points, (end, None)]:
-            if rate is not None:
+        last: float | None = None
+        for t, rate in [*points, (end + bridge + 1, 0.0)]:
+            if rate is None:  # no enqueue flushed in this interval
+                continue
+            if last is None or t - last <= bridge:
                 run.append(xy(t, rate))
+                last = t
                 continue
             if len(run) > 1:
                 parts.append(f'<polyline class="series" data-task="{esc(task)}" fill="none" '
@@ -243,7 +274,7 @@ def rate_chart(rates: Mapping[str, Sequence[tuple[float, float | None]]], *, eve
                 cx, cy = point.split(",")
                 parts.append(f'<circle class="point" data-task="{esc(task)}" cx="{cx}" '
                              f'cy="{cy}" r="2.5" fill="{color}"/>')
-            run = []
+            run, last = [xy(t, rate)], t
         legend_y = top + 12 + index * 18
         parts.append(f'<rect x="{left + plot_w + 16}" y="{legend_y - 9}" width="12" '
                      f'height="10" fill="{color}"/>')
