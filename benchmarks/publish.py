@@ -20,7 +20,9 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from rq import Queue
+from rq.job import Job
 
+from taskdedup import Debounce, Policy
 from taskdedup.celery import batch, get_deduplicator
 from taskdedup.core import Identity
 from taskdedup.rq import DedupQueue
@@ -36,6 +38,10 @@ __all__ = [
 
 PLAIN = "plain Celery apply_async"
 RQ_PLAIN = "plain RQ Queue.enqueue"
+RQ_COALESCE = "taskdedup DedupQueue on_duplicate='coalesce' (fused enqueue)"
+RQ_DEBOUNCE = "taskdedup DedupQueue debounce=Debounce(60) (generation, then the enqueue)"
+"""SPEC §15 on RQ: every debounced call is scheduled (a countdown), so a duplicate costs an
+enqueue too; it waits in the queue's scheduled registry, not in the queue."""
 SEPARATE = "taskdedup DedupTask, gate in its own round trip"
 """Locks configured apart from the broker (``taskdedup_url``): the reservation is its own
 round trip, sent before Celery builds the message and read just before the publish."""
@@ -166,20 +172,34 @@ def celery_publish(ctx: Context) -> list[Row]:
 
 
 def rq_enqueue(ctx: Context) -> list[Row]:
-    """RQ enqueue throughput: plain ``Queue`` vs ``DedupQueue``, distinct then duplicates."""
+    """RQ enqueue throughput: plain ``Queue`` vs ``DedupQueue`` (its default policy, coalesce and
+    debounce: SPEC §15), distinct then duplicates."""
     client, n, k = ctx.client, ctx.sizes.enqueue, ctx.sizes.count_ops
     name = "bench-rq-enqueue"
     queues: dict[str, Queue] = {
         RQ_PLAIN: Queue(name, connection=client),
         "taskdedup DedupQueue.enqueue": DedupQueue(name, connection=client, dedup=apps.POLICY),
+        RQ_COALESCE: DedupQueue(name, connection=client,
+                                dedup=Policy(ttl=600, on_duplicate="coalesce")),
+        RQ_DEBOUNCE: DedupQueue(name, connection=client,
+                                dedup=Policy(ttl=600, debounce=Debounce(60))),
     }
-    lock_pattern = "taskdedup:benchmarks.jobs.rq_charge:*"
+    patterns = ("taskdedup:benchmarks.jobs.rq_charge:*", "taskdedup:next:*",
+                "taskdedup:debounce:*")
     func = jobs.rq_charge
     rows: list[Row] = []
+    scheduled = queues[RQ_PLAIN].scheduled_job_registry
 
     def reset() -> None:
         queues[RQ_PLAIN].empty()
-        purge(client, lock_pattern)
+        for job_id in scheduled.get_job_ids():  # the debounced calls, and their job hashes
+            client.delete(Job.key_for(job_id))
+        client.delete(scheduled.key)
+        purge(client, *patterns)
+
+    def count(label: str, queue: Queue) -> int:
+        """The jobs the run added: queued, or scheduled for a debounced call."""
+        return scheduled.count if label == RQ_DEBOUNCE else queue.count
 
     for queue in queues.values():
         reset()
@@ -204,7 +224,7 @@ def rq_enqueue(ctx: Context) -> list[Row]:
                         enqueue(func, *args)
 
                 sample = rate(body, n)
-                published[label] = queue.count
+                published[label] = count(label, queue)
                 return sample
 
             return one
@@ -223,8 +243,9 @@ def rq_enqueue(ctx: Context) -> list[Row]:
             rts, server, sent = count_round_trips(
                 ctx, lambda i, q=queue, a=argv: q.enqueue(func, *a[i]), k
             )
-            expected = n if scenario == "distinct" or label == RQ_PLAIN else 1
-            expected += 1 if scenario == "duplicate" and label == RQ_PLAIN else 0
+            every = label in (RQ_PLAIN, RQ_DEBOUNCE)  # a debounced call is always enqueued
+            expected = n if scenario == "distinct" or every else 1
+            expected += 1 if scenario == "duplicate" and every else 0
             note = "" if published[label] == expected else (
                 f"queued {published[label]} jobs, expected {expected}")
             rows.append(Row(

@@ -216,3 +216,27 @@ def test_benchmark_suite_runs_quick(redis_url: str, tmp_path: Path) -> None:
                  if r["section"] == "celery publish (realistic app)"}
     assert realistic["plain task"]["round_trips"] == 1.0
     assert realistic["taskdedup DedupTask"]["round_trips"] == 1.0
+
+
+def test_rq_enqueue_compares_coalesce_and_debounce_with_plain_in_one_run(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    """Issue #22: the RQ enqueue section has a coalesce and a debounce row beside the plain
+    enqueue (ratios of the same run), each row's check of what it added holds (debounced
+    calls are scheduled, every one of them; a duplicate of a queued coalesced call adds
+    nothing), and their round trips: coalesce one (the fused enqueue), debounce two."""
+    from benchmarks.harness import Sizes
+    from benchmarks.micro import Context
+    from benchmarks.publish import RQ_COALESCE, RQ_DEBOUNCE, rq_enqueue
+
+    ctx = Context(redis_url, redis_client, Sizes.quick(), log=lambda line: None)
+    rows = {(row.section, row.name): row for row in rq_enqueue(ctx)}
+    for scenario in ("distinct", "duplicate"):
+        for label in (RQ_COALESCE, RQ_DEBOUNCE):
+            row = rows[(f"rq enqueue ({scenario})", label)]
+            assert row.note == "" and row.ratios and row.baseline == "plain RQ Queue.enqueue"
+    added = {label: rows[("rq enqueue (duplicate)", label)].extra["jobs_queued_last_run"]
+             for label in (RQ_COALESCE, RQ_DEBOUNCE)}
+    assert added == {RQ_COALESCE: 1, RQ_DEBOUNCE: Sizes.quick().enqueue + 1}
+    assert rows[("rq enqueue (distinct)", RQ_COALESCE)].round_trips == 1.0
+    assert rows[("rq enqueue (distinct)", RQ_DEBOUNCE)].round_trips == 2.0
