@@ -25,6 +25,7 @@ from rq.job import Job
 
 from taskdedup import Concurrency, ConfigurationError, Policy, Rate
 from taskdedup.rq import DedupQueue
+from taskdedup.stats import read_stats
 from taskdedup.testing import wait_for
 from tests.limits_jobs import done, hold, peak, rate_held, runs, started, tenant_of
 from tests.workers import RqWorker
@@ -136,6 +137,7 @@ def test_excess_dropped_fails_saying_so(rc: redis.Redis, workers: list[RqWorker]
                    limits=[Rate(1, per=30, key=tenant_of, on_excess="drop")])
     name = label()
     tenant = label()  # the limit's key is per task and key value: a window of this test's own
+    before = _dropped(rc)
     first = q.enqueue(hold, name, tenant, 0, 0.05)
     assert first is not None and ended(first) == "finished"
     dropped = q.enqueue(hold, name, tenant, 1, 0.05)
@@ -145,6 +147,15 @@ def test_excess_dropped_fails_saying_so(rc: redis.Redis, workers: list[RqWorker]
     # its lock was released (a final failure): the same call is a new job, not a duplicate
     again = q.enqueue(hold, name, tenant, 1, 0.05)
     assert again is not None and again.id != dropped.id and ended(again) == "failed"
+    wait_for(lambda: _dropped(rc) >= before + 2, timeout=20, interval=0.5,
+             what="the two drops counted in taskdedup stats (the workers flush every ~5 s)")
+
+
+def _dropped(rc: redis.Redis) -> int:
+    """``dropped`` of the jobs' task in ``taskdedup stats``, as the workers flushed it."""
+    task = f"{hold.__module__}.{hold.__qualname__}"
+    found = read_stats(rc, "taskdedup", task).get(task)
+    return 0 if found is None else found.get("dropped")
 
 
 def test_declaration_is_checked(rc: redis.Redis) -> None:
