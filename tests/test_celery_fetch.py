@@ -519,3 +519,66 @@ def test_an_app_on_the_reliable_fetch_is_not_warned_about_countdowns_beyond_the_
 
     _reservation_ttl_ms(far_away._dedup_policy, {"countdown": 3600}, far_away)
     assert "visibility_timeout" not in caplog.text
+
+
+def test_a_lost_body_turns_its_lock_back_only_where_it_is_its_own(
+    redis_url: str, rc: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SPEC §5 (:mod:`taskdedup.celery.lost`): a message requeued for a lost pool process has
+    its lock turned back from running to queued by its id, on the reliable fetch and for a
+    first delivery only. A redelivered message, or one on kombu's fetch, may be a copy put off
+    in its claim step while another copy runs under the same id: its lock is left to the lease.
+    A lock held by another id, or a header key this task would not make, is never touched."""
+    from types import SimpleNamespace
+
+    from taskdedup.celery import get_deduplicator
+    from taskdedup.celery.lost import turn_back
+    from taskdedup.core import Identity
+    from taskdedup.stores.base import LockState
+    from tests import fetch_app
+
+    fetch_app.configure(redis_url, "lost")
+    app, task = fetch_app.app, fetch_app.gated_lost_once
+    dedup = get_deduplicator(app)
+    policy = task._dedup_policy
+
+    def running(label: str) -> tuple[str, str]:
+        """A lock running by a fresh id, as a pool process's claim leaves it."""
+        task_id = uuid.uuid4().hex
+        key = dedup.identity(task.name, policy, (label,), {}, func=task._func()).key
+        dedup.gate(task.name, policy, Identity(key), task_id, fresh=True)
+        dedup.start(task.name, policy, key, task_id)
+        dedup.stop_heartbeat(key, task_id)  # the pool process died
+        return key, task_id
+
+    def lost(key: str, task_id: str, redelivered: bool = False, header_key: str = "") -> Any:
+        return SimpleNamespace(
+            task=task, id=task_id, delivery_info={"redelivered": redelivered},
+            request_dict={"taskdedup": {"task": task.name, "key": header_key or key}})
+
+    def state(key: str) -> tuple[LockState, str]:
+        info = dedup.store.get(key)
+        assert info is not None
+        return info.state, info.owner
+
+    key, task_id = running("own")
+    assert turn_back(lost(key, task_id))
+    assert state(key) == (LockState.QUEUED, task_id)  # the requeued message claims it at once
+
+    key, task_id = running("redelivered")
+    assert not turn_back(lost(key, task_id, redelivered=True))
+    assert state(key) == (LockState.RUNNING, task_id)
+
+    key, task_id = running("another")
+    assert not turn_back(lost(key, uuid.uuid4().hex))
+    assert state(key) == (LockState.RUNNING, task_id)
+
+    key, task_id = running("forged")
+    other, _ = running("other")
+    assert not turn_back(lost(key, task_id, header_key=other + "x"))
+    assert state(key) == (LockState.RUNNING, task_id)
+
+    key, task_id = running("kombu")
+    monkeypatch.setitem(app.__dict__, "_taskdedup_reliable", False)  # a worker on kombu's fetch
+    assert not turn_back(lost(key, task_id))
+    assert state(key) == (LockState.RUNNING, task_id)
