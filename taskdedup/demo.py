@@ -9,7 +9,10 @@ a table per framework and exits 1 unless every side effect happened exactly once
 Then the durable tier (:mod:`taskdedup.sql`, on a throwaway SQLite file): a charge whose RQ
 work-horse is SIGKILLed after its transaction committed and before the job returned is retried
 with the same job id; with ``effects`` the retry finds the committed row and returns the first
-run's result (one ledger row), without it the charge is booked twice.
+run's result (one ledger row), without it the charge is booked twice. And the outbox
+(:mod:`taskdedup.sql.outbox`, same file): a producer commits an order and is SIGKILLed before
+it publishes the order's charge; with the outbox the call committed with the order and the
+relay publishes it (one ledger row), enqueued after the commit it is lost (none).
 
 The task functions live in this module so the worker subprocesses can import them; their
 side effects are counted in a Redis hash (``HINCRBY``), one field per business effect.
@@ -206,14 +209,21 @@ _sql: dict[str, Any] = {}
 
 def _ledger() -> tuple[Any, Any]:
     """``(metadata, ledger table)``, made on first use (SQLAlchemy is imported only here)."""
-    if not _sql:
+    if "metadata" not in _sql:  # (_engine() keeps its engine in _sql too)
         import sqlalchemy as sa
 
-        from .sql import table
+        from .sql import outbox_table, table
 
         metadata = sa.MetaData()
         table(metadata)
+        outbox_table(metadata)
         _sql["metadata"] = metadata
+        _sql["orders"] = sa.Table(
+            "demo_orders", metadata,
+            sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+            sa.Column("order_id", sa.Text, nullable=False),
+            sa.Column("variant", sa.Text, nullable=False),
+        )
         _sql["ledger"] = sa.Table(
             "demo_ledger", metadata,
             sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
@@ -291,10 +301,11 @@ def _run_durable(env: dict[str, str]) -> list[DurableRun]:
     runs = []
     for variant in DURABLE_VARIANTS:
         queue.enqueue(rq_ledger_charge, DURABLE_ORDER, 5000, variant, retry=Retry(max=1))
-        popped = _redis().blpop([f"{PREFIX}:durable:committed"], timeout=60)
-        if popped is None:
-            raise TimeoutError(f"{variant}: the first run never committed")
-        os.kill(int(_text(popped[1]).rsplit("|", 1)[1]), signal.SIGKILL)
+        # polled, not BLPOP: redis-py 8's default socket_timeout (5 s) would end a longer
+        # BLPOP with "Timeout reading from socket" while the worker is still starting
+        popped = _wait(partial(_redis().lpop, f"{PREFIX}:durable:committed"),
+                       f"{variant}: the first run's commit")
+        os.kill(int(_text(popped).rsplit("|", 1)[1]), signal.SIGKILL)
         returned_key = f"{PREFIX}:durable:returned"
         _wait(partial(_redis().hexists, returned_key, variant), f"{variant}: the retry")
         with _engine().connect() as conn:
@@ -344,6 +355,126 @@ def _report_durable(console: Console, runs: list[DurableRun]) -> bool:
                       soft_wrap=True)
     console.print(f"  without it the same kill booked the charge {plain.ledger_rows} times "
                   "(the at-least-once case the row closes)", soft_wrap=True)
+    return ok
+
+
+# -- the outbox (taskdedup.sql.outbox on SQLite) ---------------------------------------------
+
+OUTBOX_ORDER = "ORD-301"
+OUTBOX_VARIANTS = ("with taskdedup.sql.outbox", "enqueue after the commit")
+
+
+def _outbox_queue() -> Any:
+    from .rq import DedupQueue
+
+    return DedupQueue(QUEUE, connection=_redis(), dedup=Policy(ttl=600), dedup_prefix=PREFIX)
+
+
+def rq_outbox_charge(order_id: str, amount_cents: int, variant: str) -> Any:
+    """Book the charge of an order the outbox step placed (once: ``effects`` in its
+    transaction)."""
+    from .sql import effects
+
+    _metadata, ledger = _ledger()
+    with _engine().begin() as conn, effects(conn) as fx:
+        if fx.first:
+            conn.execute(ledger.insert().values(order_id=order_id, variant=variant,
+                                                cents=amount_cents))
+            fx.result = {"charged": amount_cents}
+        return fx.result
+
+
+def place_order_and_die(variant: str) -> None:
+    """The outbox step's producer (a subprocess): commit the order — with its charge's outbox
+    row in the same transaction, or meaning to enqueue the charge after the commit, as
+    ``on_commit`` and ``delay_on_commit`` do — and be SIGKILLed right after the commit, before
+    anything is published."""
+    from .sql import outbox
+
+    _metadata, _ledger_table = _ledger()
+    orders, queue = _sql["orders"], _outbox_queue()
+    with _engine().connect() as conn:
+        conn.execute(orders.insert().values(order_id=OUTBOX_ORDER, variant=variant))
+        if variant == OUTBOX_VARIANTS[0]:
+            outbox.add(conn, queue, rq_outbox_charge, OUTBOX_ORDER, 5000, variant)
+        conn.commit()  # committed; the outbox publishes when the connection is next used
+        os.kill(os.getpid(), signal.SIGKILL)  # an OOM kill, a deploy: before any publish
+        queue.enqueue(rq_outbox_charge, OUTBOX_ORDER, 5000, variant)  # never reached
+
+
+@dataclass
+class OutboxRun:
+    """What one variant of the outbox step did."""
+
+    variant: str
+    orders: int = 0
+    relayed: int = 0
+    ledger_rows: int = 0
+
+
+def _count(table: Any, variant: str) -> int:
+    import sqlalchemy as sa
+
+    with _engine().connect() as conn:
+        return int(conn.execute(sa.select(sa.func.count()).select_from(table).where(
+            table.c.variant == variant)).scalar() or 0)
+
+
+def _charged(ledger: Any, variant: str) -> bool:
+    return _count(ledger, variant) >= 1
+
+
+def _run_outbox(env: dict[str, str]) -> list[OutboxRun]:
+    """Each variant: a producer commits the order and is SIGKILLed before publishing; then one
+    batch of the relay (grace 0: the producer is known dead); then the ledger rows, once the
+    relayed charge ran (the RQ worker of the durable step is still up)."""
+    from .outbox import Publisher, Relay
+    from .sql.outbox import SqlRows
+
+    metadata, ledger = _ledger()
+    metadata.create_all(_engine())
+    relay = Relay(SqlRows(_engine()), Publisher(rq_connection=_redis()), grace=0)
+    runs = []
+    for variant in OUTBOX_VARIANTS:
+        producer = subprocess.run(
+            [sys.executable, "-c", f"from taskdedup.demo import place_order_and_die; "
+                                   f"place_order_and_die({variant!r})"],
+            env=env, capture_output=True, text=True, timeout=60)
+        if producer.returncode != -signal.SIGKILL:
+            raise OSError(f"the outbox step's producer ({variant}) exited "
+                          f"{producer.returncode}, not killed:\n{producer.stderr[-2000:]}")
+        run = OutboxRun(variant, _count(_sql["orders"], variant), relay.run_once())
+        if run.relayed:
+            _wait(partial(_charged, ledger, variant), f"{variant}: the relayed charge")
+        run.ledger_rows = _count(ledger, variant)
+        runs.append(run)
+    return runs
+
+
+def _report_outbox(console: Console, runs: list[OutboxRun]) -> bool:
+    console.print(f"outbox (taskdedup.sql.outbox, SQLite): order {OUTBOX_ORDER} committed, its "
+                  "producer SIGKILLed before it published the charge (orders: committed; "
+                  "relayed: calls the relay published)", soft_wrap=True)
+    table = Table()
+    for column in ("", "orders", "relayed", "ledger rows", "once"):  # fits 80 columns
+        table.add_column(column, justify="left" if not column else "right")
+    for run in runs:
+        table.add_row(run.variant, str(run.orders), str(run.relayed), str(run.ledger_rows),
+                      "[green]yes[/]" if run.ledger_rows == 1 else "[yellow]no[/]")
+    console.print(table)
+    with_outbox, plain = runs
+    ok = (with_outbox.orders, with_outbox.relayed, with_outbox.ledger_rows) == (1, 1, 1)
+    if ok:
+        console.print("[green]✓[/] with taskdedup.sql.outbox the call committed with the "
+                      "order: the relay published it, and the charge was booked once",
+                      soft_wrap=True)
+    else:
+        console.print(f"[red]✗[/] with taskdedup.sql.outbox: {with_outbox.orders} orders, "
+                      f"{with_outbox.relayed} published by the relay, "
+                      f"{with_outbox.ledger_rows} ledger rows", soft_wrap=True)
+    console.print(f"  enqueued after the commit, the same kill left {plain.orders} committed "
+                  f"order with {plain.ledger_rows} charges (the call the outbox keeps)",
+                  soft_wrap=True)
     return ok
 
 
@@ -539,6 +670,7 @@ def _demo(ctx: click.Context, demo_url: str | None, console: Console) -> bool:
                     _wait(partial(_settled, framework, tally, progress, job), f"{name} effects")
                 progress.update(job, description=f"{name}: done")
             durable_runs: list[DurableRun] = []
+            outbox_runs: list[OutboxRun] = []
             if importlib.util.find_spec("sqlalchemy") is not None:
                 job = progress.add_task("durable tier: starting a real RQ worker",
                                         total=len(DURABLE_VARIANTS), unit="runs killed and retried")
@@ -551,11 +683,18 @@ def _demo(ctx: click.Context, demo_url: str | None, console: Console) -> bool:
                     durable_runs = _run_durable(env)
                     progress.update(job, completed=len(DURABLE_VARIANTS),
                                     description="durable tier: done")
+                    job = progress.add_task("outbox: producer killed after its commit, relay",
+                                            total=len(OUTBOX_VARIANTS), unit="orders")
+                    outbox_runs = _run_outbox(env)
+                    progress.update(job, completed=len(OUTBOX_VARIANTS),
+                                    description="outbox: done")
         ok = _report(console, tallies)
         if not durable_runs:
-            console.print("durable tier step skipped: pip install 'taskdedup[sql]' to see it")
+            console.print("durable tier and outbox steps skipped: pip install "
+                          "'taskdedup[sql]' to see them")
             return ok
-        return _report_durable(console, durable_runs) and ok
+        durable_ok = _report_durable(console, durable_runs)
+        return _report_outbox(console, outbox_runs) and durable_ok and ok
 
 
 def _settled(framework: str, tally: Tally, progress: Progress, job: Any) -> bool:

@@ -28,6 +28,14 @@ def test_demo_proves_exactly_once_against_real_workers(redis_url: str) -> None:
     assert "  1 redelivered copy that never went through the gate" in lines
     assert any(line.startswith("✓ RQ: each of the 7 side effects") and
                line.endswith("happened exactly once") for line in lines)
+    assert any(line.startswith("✓ with taskdedup.sql.outbox the call committed with the "
+                               "order") for line in lines), done.stdout
+    assert "  enqueued after the commit, the same kill left 1 committed order with 0 charges" in (
+        " ".join(lines)), done.stdout
+    outbox_rows = [line for line in lines if line.startswith(("│ with taskdedup.sql.outbox",
+                                                               "│ enqueue after the commit"))]
+    assert [[c.strip() for c in row.strip("│").split("│")][1:] for row in outbox_rows] == [
+        ["1", "1", "1", "yes"], ["1", "0", "0", "no"]], done.stdout
     rows = [line for line in done.stdout.splitlines() if line.startswith(("│ Celery", "│ RQ"))]
     assert len(rows) == 2
     for row in rows:  # sent, enqueued, suppressed, skipped, executed, retried, once

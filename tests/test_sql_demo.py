@@ -30,3 +30,25 @@ def test_durable_step_fails_on_a_second_row_or_a_recomputed_result() -> None:
     assert demo._report_durable(console, _runs(2, 1)) is False
     assert demo._report_durable(console, _runs(1, 2)) is False
     assert "with taskdedup.sql: 2 ledger rows" in console.export_text()
+
+
+def _outbox_runs(orders: int, relayed: int, ledger_rows: int) -> list[demo.OutboxRun]:
+    return [demo.OutboxRun(demo.OUTBOX_VARIANTS[0], orders, relayed, ledger_rows),
+            demo.OutboxRun(demo.OUTBOX_VARIANTS[1], 1, 0, 0)]
+
+
+def test_outbox_step_passes_when_the_relay_published_the_committed_call_once() -> None:
+    console = Console(record=True, width=200)
+    assert demo._report_outbox(console, _outbox_runs(1, 1, 1)) is True
+    text = console.export_text()
+    assert "the relay published it, and the charge was booked once" in text
+    assert "the same kill left 1 committed order with 0 charges" in text
+
+
+def test_outbox_step_fails_on_a_lost_or_doubled_charge() -> None:
+    console = Console(record=True, width=200)
+    assert demo._report_outbox(console, _outbox_runs(1, 0, 0)) is False  # lost
+    assert demo._report_outbox(console, _outbox_runs(1, 1, 2)) is False  # booked twice
+    assert demo._report_outbox(console, _outbox_runs(0, 1, 1)) is False  # order rolled back
+    assert "with taskdedup.sql.outbox: 1 orders, 1 published by the relay, 2 ledger rows" in (
+        console.export_text())
