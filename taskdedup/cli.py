@@ -702,14 +702,15 @@ def _stats_table(stats: dict[str, TaskStats], where: str) -> Table:
     # the second call's answers (SPEC §15): a column only when some task counted one
     extra = [n for n in ("waits", "coalesced", "superseded")
              if any(item.second_calls[n] for item in stats.values())]
-    for name in ("task", "accepted", "duplicates", "dup rate", "skipped", "released (failure)",
-                 "lease lost", "store errors", "gate avg", *extra):
+    for name in ("task", "accepted", "duplicates", "dup rate", "retries", "skipped",
+                 "released on failure", "lease lost", "store errors", "gate avg", *extra):
         table.add_column(name, justify="left" if name == "task" else "right")
     for item in stats.values():
         avg = item.gate_avg_ms
         table.add_row(
             _cell(item.task), str(item.accepted), str(item.duplicates),
-            _rate(item.duplicate_rate), str(item.skipped), str(item.released_on_failure),
+            _rate(item.duplicate_rate), str(item.retries), str(item.skipped),
+            str(item.released_on_failure),
             str(item.lease_lost), str(item.store_errors),
             "-" if avg is None else f"{avg:.2f} ms",
             *(str(item.second_calls[n]) for n in extra),
@@ -751,10 +752,11 @@ def _limits_table(rows: dict[str, dict[str, int]], where: str) -> Table:
 def stats_command(env: _Env, task: str | None, watch: float | None, as_json: bool) -> None:
     """Per task: accepted, duplicates, duplicate rate, skipped, released on failure.
 
-    Per task: accepted enqueues (reserved), duplicates, duplicate rate = duplicates /
-    (accepted + duplicates), skipped executions, locks released on failure, lost leases,
-    store errors and the mean gate latency. Counts are those flushed to Redis by producers
-    and workers (every few seconds). With --json --watch, one JSON object per line.
+    Per task: accepted enqueues (reserved; a retry keeping its lock is not one), duplicates,
+    duplicate rate = duplicates / (accepted + duplicates), retries, skipped executions, locks
+    released on failure, lost leases, store errors and the mean gate latency. Counts are
+    those flushed to Redis by producers and workers (every few seconds). With --json
+    --watch, one JSON object per line.
 
     Tasks with an approximate window (taskdedup.Approximate) also show, read from their live
     slices: identities remembered, fill ratio, estimated false-positive rate, live slices and

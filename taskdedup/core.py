@@ -14,7 +14,9 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -42,6 +44,20 @@ DEFAULT_PREFIX = "taskdedup"
 MAX_KEY_LENGTH = 512
 """The longest lock key taken from a message (ours are well under 200 characters)."""
 _DIGEST = re.compile(r"[0-9a-f]{32}")
+
+_AGAIN: ContextVar[str | None] = ContextVar("taskdedup_again", default=None)
+
+
+@contextmanager
+def reserving_again(why: str) -> Iterator[None]:
+    """The reservations made inside are an accepted call's own id reserving again (``why``:
+    ``"retry"``), whatever path publishes it: their ``reserved`` events carry ``why`` as
+    their detail, and the stats count them apart from the enqueues accepted."""
+    token = _AGAIN.set(why)
+    try:
+        yield
+    finally:
+        _AGAIN.reset(token)
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,11 +217,15 @@ class Deduplicator:
         *,
         ttl_ms: int | None = None,
         fresh: bool = False,
+        again: str | None = None,
     ) -> GateResult:
         """Reserve ``identity`` for ``owner`` at enqueue (one round trip).
 
         ``fresh``: a new call, not a retry or a republish of ``owner``'s message; when it
         reuses an explicit id whose lock is held by that id, it is a duplicate of itself.
+        ``again``: why an accepted call's own id reserves again (``"retry"``, ``"limit"``):
+        its ``reserved`` event carries it as its detail, and the stats count it apart from
+        the enqueues accepted.
 
         Raises:
             IdempotencyKeyMismatch: an explicit key is held with other arguments.
@@ -227,7 +247,8 @@ class Deduplicator:
             if policy.on_store_error is OnStoreError.RAISE:
                 self._forget_reservation(identity.key, owner)
             return self.store_error(name, policy, identity.key, owner, exc, "enqueue")
-        return self.verdict(name, identity, owner, result, time.perf_counter() - started)
+        return self.verdict(name, identity, owner, result, time.perf_counter() - started,
+                            again=again)
 
     def gate_send(
         self,
@@ -337,7 +358,7 @@ class Deduplicator:
 
     def verdict(
         self, name: str, identity: Identity, owner: str, result: LockResult,
-        seconds: float | None = None,
+        seconds: float | None = None, *, again: str | None = None,
     ) -> GateResult:
         """Turn the store's answer to a reservation into a verdict, and report it.
 
@@ -351,7 +372,7 @@ class Deduplicator:
             self.check_store()
         outcome, key, existing = result.outcome, identity.key, result.owner
         if outcome is Outcome.ACQUIRED:
-            self._emit(Event.RESERVED, name, key, owner, seconds=seconds)
+            self._emit(Event.RESERVED, name, key, owner, None, again or _AGAIN.get(), seconds)
             return GateResult(Verdict.ACCEPTED)
         if outcome is Outcome.REPLACED:
             self._emit(Event.DUPLICATE, name, key, owner, existing, "replaced", seconds)

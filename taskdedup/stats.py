@@ -421,6 +421,10 @@ def attach(
 # -- reading ----------------------------------------------------------------------------------
 
 
+AGAIN: Final = ("retry", "repeat", "limit")
+"""``reserved`` details of an accepted call's own id reserving again: not new enqueues."""
+
+
 @dataclass(frozen=True, slots=True)
 class TaskStats:
     """The flushed counters of one task, with the figures an operator asks for."""
@@ -435,8 +439,15 @@ class TaskStats:
 
     @property
     def accepted(self) -> int:
-        """Enqueues accepted (``reserved``)."""
-        return self.get("reserved")
+        """Enqueues accepted (``reserved``), not counting an accepted call's own id reserving
+        again for its retry, its ``Repeat`` or a limit's put-off (:data:`AGAIN`)."""
+        return self.get("reserved") - sum(self.get(f"reserved:{why}") for why in AGAIN)
+
+    @property
+    def retries(self) -> int:
+        """Retries of accepted calls that kept their lock for the retry (``reserved:retry``):
+        Celery's ``self.retry``, RQ's ``Retry``."""
+        return self.get("reserved:retry")
 
     @property
     def duplicates(self) -> int:
@@ -507,6 +518,7 @@ class TaskStats:
             "accepted": self.accepted,
             "duplicates": self.duplicates,
             "duplicate_rate": self.duplicate_rate,
+            "retries": self.retries,
             "skipped": self.skipped,
             "completed": self.get("completed"),
             "waits": self.waits,

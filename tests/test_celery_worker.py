@@ -153,6 +153,30 @@ def test_retry_runs_and_a_duplicate_during_the_countdown_is_suppressed(
     wait_for(lambda: released(rc, key), timeout=10, what="released after success")
 
 
+def test_stats_count_a_retry_as_a_retry_not_as_an_accepted_enqueue(
+    capp: Any, rc: redis.Redis
+) -> None:
+    """#24 stumble 7: one accepted call, one duplicate and the call's retry showed as 2
+    accepted, 1 duplicate (the retry's publish re-reserves the lock for its own id)."""
+    from taskdedup.stats import flush_all, read_stats
+
+    task = capp.retry_once.name
+
+    def figures() -> tuple[int, int, int]:
+        found = read_stats(rc, "taskdedup", task).get(task)
+        return (0, 0, 0) if found is None else (found.accepted, found.duplicates,
+                                                found.retries)
+
+    before = figures()
+    name = label()
+    first = capp.retry_once.apply_async((name,), {"countdown": 1})
+    assert capp.retry_once.apply_async((name,), {"countdown": 1}).id == first.id  # duplicate
+    assert first.get(timeout=30) == name and effects(rc, name) == ["1", "2"]
+    assert flush_all()  # this process's counts; the worker flushes its own every few seconds
+    wait_for(lambda: figures()[2] > before[2], timeout=30, what="the worker's retry counted")
+    assert tuple(now - then for now, then in zip(figures(), before, strict=True)) == (1, 1, 1)
+
+
 def test_while_executing_retry_releases_during_the_countdown_and_the_retry_runs(
     capp: Any, rc: redis.Redis
 ) -> None:

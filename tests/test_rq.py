@@ -188,6 +188,32 @@ def test_retry_runs_and_a_third_party_duplicate_during_its_interval_is_suppresse
     assert lock(rc, key) == f"D||{first.id}"
 
 
+def test_stats_count_a_retry_as_a_retry_not_as_an_accepted_enqueue(
+    workers: list[RqWorker], q: DedupQueue, rc: redis.Redis
+) -> None:
+    """#24 stumble 7: the retry's re-reservation of its own lock is a retry, not a second
+    accepted enqueue."""
+    from taskdedup.stats import flush_all, read_stats
+
+    task = f"{rq_jobs.fail_first.__module__}.{rq_jobs.fail_first.__name__}"
+
+    def figures() -> tuple[int, int, int]:
+        found = read_stats(rc, "taskdedup", task).get(task)
+        return (0, 0, 0) if found is None else (found.accepted, found.duplicates,
+                                                found.retries)
+
+    before = figures()
+    name = label()
+    first = q.enqueue(rq_jobs.fail_first, name, retry=Retry(max=1, interval=1))
+    assert first is not None
+    duplicate = q.enqueue(rq_jobs.fail_first, name, retry=Retry(max=1, interval=1))
+    assert duplicate is not None and duplicate.id == first.id
+    assert ended(first) == "finished" and effects(rc, name) == ["1", "2"]
+    assert flush_all()
+    wait_for(lambda: figures()[2] > before[2], timeout=30, what="the worker's retry counted")
+    assert tuple(now - then for now, then in zip(figures(), before, strict=True)) == (1, 1, 1)
+
+
 @pytest.mark.slow
 def test_a_returned_retry_runs_and_keeps_the_lock_for_its_interval(
     workers: list[RqWorker], q: DedupQueue, rc: redis.Redis

@@ -103,7 +103,7 @@ def _unclaim(task: DedupTask, request: Any, policy: Policy, delay: float) -> Non
         return
     ttl_ms = min(policy.ttl_ms + int(delay * 1000), MAX_DURATION_MS)
     try:
-        dedup.gate(task.name, policy, Identity(key), request.id, ttl_ms=ttl_ms)
+        dedup.gate(task.name, policy, Identity(key), request.id, ttl_ms=ttl_ms, again="limit")
     except StoreUnavailableError:  # the running lock lapses within its lease; then claimed
         pass
 

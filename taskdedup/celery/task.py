@@ -32,6 +32,7 @@ from ..core import (
     SentGate,
     Verdict,
     copy_wait,
+    reserving_again,
     resolve_duplicate,
     skipped_of,
     skipped_value,
@@ -792,6 +793,12 @@ class DedupTask(Task):  # type: ignore[misc]
                 "error",
             )
         setattr(request, SKIP_ATTR, skipped_value(existing_id, state))
+
+    def retry(self, *args: Any, **kwargs: Any) -> Any:
+        """Celery's ``Task.retry``; its republish's reservation (this id's own lock, kept for
+        the countdown) is counted as a retry, not as an accepted enqueue."""
+        with reserving_again("retry"):
+            return super().retry(*args, **kwargs)
 
     def _retry_later(self, exc: StoreUnavailableError) -> Retry:
         """Republish this very message for later: never run unguarded, never dropped.

@@ -156,7 +156,7 @@ def _unclaim(worker: DedupWorker, job: Job, guard: Guard | None, delay: float,
     if drop:
         worker.dedup.release(guard.name, guard.key, job.id, reason="dropped")
     else:
-        worker._rereserve(guard, job, delay)
+        worker._rereserve(guard, job, delay, again="limit")
 
 
 def leave(worker: DedupWorker, job: Job) -> None:

@@ -241,7 +241,7 @@ class DedupWorker(Worker):
         if guard is not None:
             if job.repeats_left:
                 interval = job.repeat_intervals[0] if job.repeat_intervals else 0
-                self._rereserve(guard, job, float(interval))
+                self._rereserve(guard, job, float(interval), again="repeat")
             else:
                 self.dedup.finish(guard.name, guard.policy, guard.key, job.id, success=True)
         super().handle_job_success(
@@ -398,9 +398,10 @@ class DedupWorker(Worker):
             job.set_status(JobStatus.FINISHED, pipeline=pipe)
             pipe.execute()
 
-    def _rereserve(self, guard: Guard, job: Job, interval: float) -> None:
+    def _rereserve(self, guard: Guard, job: Job, interval: float, again: str = "retry") -> None:
         """Keep the lock owned by this job id, queued for ``ttl`` + ``interval``: the retry
-        runs, and a third party's duplicate meanwhile is still suppressed."""
+        runs, and a third party's duplicate meanwhile is still suppressed (counted as
+        ``again``, not as an accepted enqueue)."""
         dedup = self.dedup
         if guard.policy.mode is Mode.WHILE_EXECUTING:  # not executing meanwhile
             dedup.release(guard.name, guard.key, job.id, reason="retry")
@@ -409,7 +410,7 @@ class DedupWorker(Worker):
         ttl_ms = min(guard.policy.ttl_ms + int(interval * 1000), MAX_DURATION_MS)
         try:
             result = dedup.gate(guard.name, guard.policy, Identity(guard.key), job.id,
-                                ttl_ms=ttl_ms)
+                                ttl_ms=ttl_ms, again=again)
         except StoreUnavailableError as exc:
             logger.warning("taskdedup: could not keep the lock of %s[%s] for its retry: %s",
                            guard.name, job.id, exc)
