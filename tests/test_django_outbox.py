@@ -556,6 +556,36 @@ def test_outbox_commit_publishes_once_rollback_and_savepoint_send_nothing(
     assert worker.process is not None
 
 
+_OTHER_VENDOR = """
+import json
+from django.db import connection, transaction
+from taskdedup.exceptions import ConfigurationError
+from taskdedup.django import outbox
+from taskdedup.django.models import OutboxRow
+from orders.tasks import record_charge
+connection.vendor = "mysql"  # a database taskdedup is not tested on
+out = {}
+with transaction.atomic():
+    try:
+        outbox.add(record_charge.s("ORD-V", 1))
+    except ConfigurationError as exc:
+        out["refused"] = str(exc)
+out["rows"] = OutboxRow.objects.count()
+print(json.dumps(out))
+"""
+
+
+def test_add_refuses_a_database_it_is_not_tested_on(project: Project) -> None:
+    """MySQL, Oracle: ``outbox.add`` refuses them (as ``effects()`` does), naming the alias and
+    the vendor, and writes no row (the issue: "MySQL only if tested")."""
+    with project.engine.begin() as conn:  # this test's rows only
+        conn.execute(sa.text("delete from taskdedup_outbox"))
+    out = project.shell(_OTHER_VENDOR)
+    assert "PostgreSQL (psycopg 3) and SQLite" in out["refused"], out
+    assert "'default' is 'mysql'" in out["refused"], out
+    assert out["rows"] == 0
+
+
 # -- a producer killed between its commit and its publish --------------------------------
 
 _KILLED = """

@@ -23,6 +23,7 @@ from django.utils import timezone
 
 from ..exceptions import ConfigurationError
 from .models import OutboxRow
+from .recorder import SUPPORTED
 
 if TYPE_CHECKING:
     from ..outbox import Backlog, Envelope, Row
@@ -63,7 +64,8 @@ def add(target: Any, *args: Any, using: str | None = None, **kwargs: Any) -> str
 
     Raises:
         ConfigurationError: not inside ``transaction.atomic()`` on that database (the row
-            would commit at once, whatever the caller's work does); a target the outbox
+            would commit at once, whatever the caller's work does); a database other than
+            PostgreSQL and SQLite (MySQL, Oracle: not tested); a target the outbox
             cannot publish, or arguments its serializer refuses (raised here, never later).
     """
     from ..outbox import pack
@@ -75,6 +77,11 @@ def add(target: Any, *args: Any, using: str | None = None, **kwargs: Any) -> str
             "taskdedup.django.outbox.add() writes the call into the caller's transaction: call "
             f"it inside `with transaction.atomic(using={alias!r}):` (outside one the row "
             "would commit at once, whatever happens to the work it belongs to)"
+        )
+    if connection.vendor not in SUPPORTED:
+        raise ConfigurationError(
+            "taskdedup.django.outbox.add() supports PostgreSQL (psycopg 3) and SQLite, the "
+            f"databases it is tested on; database {alias!r} is {connection.vendor!r}"
         )
     envelope = pack(target, *args, **kwargs)
     now = timezone.now()
