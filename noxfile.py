@@ -6,6 +6,7 @@ one definition (``tox -l`` lists the same environments; ``tox`` runs them too).
     nox                      # everything CI runs (the README's test command)
     nox -s tests             # the whole suite, newest versions only
     nox -s compat -- -x      # the subset on every older combination; args go to pytest
+    nox -s matrix            # tox -l lists the same environments (tox.ini, read by both)
     nox -l                   # the sessions, one per combination
 
 Each combination pins the versions of a release users run (a Celery release with the kombu it
@@ -28,7 +29,7 @@ import nox
 
 nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.reuse_existing_virtualenvs = True
-nox.options.sessions = ["tests", "compat", "package"]
+nox.options.sessions = ["tests", "compat", "matrix", "package"]
 
 PYPROJECT = nox.project.load_toml("pyproject.toml")
 EXTRAS = ".[celery,rq,prometheus,server]"
@@ -141,6 +142,16 @@ def compat(session: nox.Session, combo: Combo) -> None:
     """The real-server, real-worker subset on an older supported combination."""
     _install(session, combo)
     session.run("python", "-m", "pytest", *PARALLEL, *SUBSET, *session.posargs)
+
+
+@nox.session(python=newest_interpreter())
+def matrix(session: nox.Session) -> None:
+    """``tox -l`` lists exactly the environments nox runs: tox.ini is read by both."""
+    session.install("tox>=4.22", "tox-uv>=1.11")
+    listed = (session.run("tox", "-l", silent=True) or "").split()
+    wanted = [combo.id for combo in COMBOS]
+    if listed != wanted:
+        session.error(f"tox -l lists {listed}, nox runs {wanted}")
 
 
 @nox.session(python=newest_interpreter())
