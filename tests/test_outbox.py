@@ -321,6 +321,46 @@ def test_celery_second_publish_sends_a_copy_while_queued_or_running_and_nothing_
     rc.delete(celery_queue, lock)
 
 
+def test_the_call_options_travel_with_the_row(
+    rc: redis.Redis, queue: DedupQueue, celery_queue: str
+) -> None:
+    """What the issue lists travels from ``add`` to the publish: Celery's queue, countdown
+    (stored as the moment it stands for: a later publish does not push it), priority and
+    ``dedup_key`` (the lock's identity); RQ's enqueue options and ``dedup_key``."""
+    from taskdedup.celery import get_deduplicator
+
+    routed, key = f"{celery_queue}-routed", f"K-{uuid.uuid4().hex[:8]}"
+    added, celery_label, rq_label = datetime.now(UTC), label(), label()
+    envelope = pack(record.s(celery_label).set(queue=routed, countdown=30, priority=5,
+                                               dedup_key=key))
+    Publisher(celery_app=outbox_apps.app).publish(envelope)
+    (found,) = [k for k in rc.scan_iter(f"{routed}*") if rc.type(k) == b"list"]
+    message = json.loads(rc.lindex(found, 0))  # type: ignore[arg-type]
+    rc.delete(found)
+    assert message["headers"]["id"] == envelope.id
+    eta = datetime.fromisoformat(message["headers"]["eta"])
+    assert added + timedelta(seconds=29) < eta <= datetime.now(UTC) + timedelta(seconds=30)
+    assert message["properties"]["priority"] == 5
+    lock = get_deduplicator(outbox_apps.app).identity(
+        record.name, POLICY, (celery_label,), {}, func=record._func(), dedup_key=key).key
+    held = rc.get(lock)  # queued by the row's id (the middle field: the arguments' digest)
+    assert held is not None and held.startswith(b"Q|") and held.endswith(envelope.id.encode())
+    rc.delete(lock)
+
+    rq_key = f"K-{uuid.uuid4().hex[:8]}"
+    rq_row = pack(queue, rq_record, rq_label, job_timeout=77, result_ttl=123,
+                  description="charge it", meta={"tenant": "t1"}, dedup_key=rq_key)
+    Publisher(rq_connection=rc).publish(rq_row)
+    job = queue.fetch_job(rq_row.id)
+    assert job is not None
+    assert (job.timeout, job.result_ttl, job.description) == (77, 123, "charge it")
+    assert job.meta.get("tenant") == "t1"
+    rq_lock = queue.dedup.identity("tests.outbox_apps.rq_record", queue.dedup_policy,
+                                   (rq_label,), {}, func=rq_record, dedup_key=rq_key).key
+    held = rc.get(rq_lock)
+    assert held is not None and held.startswith(b"Q|") and held.endswith(rq_row.id.encode())
+
+
 def test_rq_second_publish_of_an_alive_or_finished_job_enqueues_nothing(
     rc: redis.Redis, queue: DedupQueue
 ) -> None:
