@@ -225,7 +225,7 @@ def test_headers_say_what_they_count_owner_ids_stay_whole_and_the_lock_page_has_
     text = web.get("/").text
     stats_table = text[text.index('id="stats"'):]
     headers = re.findall(r"<th>([^<]*)</th>", stats_table[:stats_table.index("</thead>")])
-    assert headers == ["task", "accepted", "duplicates", "dup rate", "skipped",
+    assert headers == ["task", "accepted", "duplicates", "dup rate", "retries", "skipped",
                        "released on failure", "lease lost", "store errors"]
     assert 'id="stats-note"' in text and "(+n)</code> are those of the last" in text
     assert "Oldest" not in text and "seen for" not in text

@@ -177,14 +177,14 @@ def stats_table(stats: Mapping[str, TaskStats], window: Mapping[str, Mapping[str
         lost, errors = item.lease_lost, item.store_errors
         rows.append([
             esc(name), str(item.accepted), str(item.duplicates), _rate(item.duplicate_rate),
-            str(item.skipped), str(item.released_on_failure),
+            str(item.retries), str(item.skipped), str(item.released_on_failure),
             _flag(lost, recent.get("lease_lost")), _flag(errors, recent.get("store_errors")),
             *(str(item.second_calls[n]) for n in extra),
         ])
     found = table(
-        ["task", "accepted", "duplicates", "dup rate", "skipped", "released on failure",
-         "lease lost", "store errors", *extra],
-        rows, numeric=tuple(range(1, 8 + len(extra))), table_id="stats",
+        ["task", "accepted", "duplicates", "dup rate", "retries", "skipped",
+         "released on failure", "lease lost", "store errors", *extra],
+        rows, numeric=tuple(range(1, 9 + len(extra))), table_id="stats",
         empty="no stats flushed yet (producers and workers flush them every few seconds)",
     )
     if not rows:
