@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import redis
+from kombu.exceptions import OperationalError
 
 from taskdedup import BusyTimeoutError
 from taskdedup.stats import read_stats
@@ -145,6 +146,33 @@ def test_a_killed_holder_frees_its_waiter_within_its_lease(
     assert waiter.get(timeout=30) == 1
     assert time.monotonic() - killed <= 8 + 2 + 3
     assert recorded(rc, name) == ["start0", "start1", "end1"]  # the holder never ended
+
+
+@pytest.mark.parametrize("task", ["wait_refused", "limited_refused"])
+def test_a_put_off_the_broker_refuses_ends_failure_and_is_not_lost_unseen(
+    capp: Any, rc: redis.Redis, workers: list[CeleryWorker], task: str
+) -> None:
+    """A waiting call (``on_busy="wait"``; a ``Concurrency`` limit) whose put-off republish
+    the broker refuses ends FAILURE with that error, its body never run, rather than being
+    acked away and left PENDING for good; the limit's call gives back the lock it had kept
+    queued, so the same call sent again is a new call that runs."""
+    t = getattr(capp, task)
+    name = label()
+    holder = t.delay(name, 0, True)
+    wait_for(started(rc, name, 0), timeout=30, what="the holder runs")
+    rc.set(f"putoff-refused:{name}", 1)
+    waiter = t.delay(name, 1)
+    with pytest.raises(OperationalError, match="refused the put-off"):
+        waiter.get(timeout=30, propagate=True)
+    assert waiter.state == "FAILURE"
+    assert recorded(rc, name) == ["start0"]
+    rc.delete(f"putoff-refused:{name}")
+    rc.set(f"go:{name}", 1)
+    assert holder.get(timeout=30) == 0
+    again = t.delay(name, 1)
+    assert again.id != waiter.id
+    assert again.get(timeout=30) == 1
+    assert recorded(rc, name) == ["start0", "end0", "start1", "end1"]
 
 
 def _deferred(rc: redis.Redis, task: str) -> int:

@@ -75,9 +75,16 @@ def enter(task: DedupTask, task_id: str, args: Sequence[Any],
     waited = 0.0 if since is None else max(0.0, now - since)
     delay = limits.limit_delay(admission.limit, admission.wait_ms, waited, policy.lease,
                                visibility_timeout(task.app))
-    _unclaim(task, request, policy, delay)
+    held = _unclaim(task, request, policy, delay)
     limits.note_waiting(dedup, task.name, task_id, delay)
-    raise task._defer(policy, delay, {LIMITED_SINCE: now if since is None else since})
+    try:
+        put_off = task._defer(policy, delay, {LIMITED_SINCE: now if since is None else since})
+    except Exception:  # not put off: the call ends with the publish error, holding nothing
+        limits.note_waiting(dedup, task.name, task_id, None)
+        if held is not None:
+            dedup.release(task.name, held, task_id, reason="limit")
+        raise
+    raise put_off
 
 
 def _carried(request: Any) -> Any:
@@ -85,27 +92,28 @@ def _carried(request: Any) -> Any:
     return headers.get(LIMITED_SINCE, getattr(request, LIMITED_SINCE, None))
 
 
-def _unclaim(task: DedupTask, request: Any, policy: Policy, delay: float) -> None:
+def _unclaim(task: DedupTask, request: Any, policy: Policy, delay: float) -> str | None:
     """Hand back the running lock this execution claimed before its limits refused it: to
     ``queued`` by its own id for ``ttl`` + ``delay`` (the republished message claims it; a
     third party's duplicate meanwhile is still suppressed), or released under
     ``while_executing`` (it is not executing). The request is marked so the signal handlers
-    leave the lock alone."""
+    leave the lock alone. Returns the key of the lock kept queued for this call, else None."""
     key = getattr(request, STATE_ATTR, None)
     setattr(request, STATE_ATTR, SKIPPED)
     if not key or key == SKIPPED:
-        return
+        return None
     claims.forget(request.id)
     dedup = get_deduplicator(task.app)
     dedup.stop_heartbeat(key, request.id)
     if policy.mode is Mode.WHILE_EXECUTING:
         dedup.release(task.name, key, request.id, reason="limit")
-        return
+        return None
     ttl_ms = min(policy.ttl_ms + int(delay * 1000), MAX_DURATION_MS)
     try:
         dedup.gate(task.name, policy, Identity(key), request.id, ttl_ms=ttl_ms, again="limit")
     except StoreUnavailableError:  # the running lock lapses within its lease; then claimed
         pass
+    return str(key)
 
 
 def _on_postrun(sender: Any = None, **_: Any) -> None:

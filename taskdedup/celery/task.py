@@ -748,8 +748,10 @@ class DedupTask(Task):  # type: ignore[misc]
         very message (same id, same retries: not a retry) for a little later, and end this
         one without an outcome. The delay stays under the visibility timeout (so the broker
         does not copy the republished message again) and under the lease (so a dead
-        original's lapse is noticed soon). A waiting call (:meth:`_wait`) comes with its
-        own ``delay`` and ``headers``."""
+        original's lapse is noticed soon). A waiting call (:meth:`_wait`, a limit's put-off)
+        comes with its own ``delay`` and ``headers``; its republished message is the call's
+        only one, so a republish that fails (after kombu's own retries) is raised, and the
+        call ends FAILURE with the broker's error instead of being acked away unseen."""
         request = self.request
         if request.is_eager:
             raise ConfigurationError(
@@ -764,7 +766,11 @@ class DedupTask(Task):  # type: ignore[misc]
         try:
             self.signature_from_request(request, countdown=delay, **extra).apply_async(
                 **{NO_RESERVE: True})
-        except Exception as exc:  # the running copy still holds its own message
+        except Exception as exc:
+            if headers:  # a waiting call: nothing else would ever run it
+                logger.warning("taskdedup: could not put off %s[%s] (%s): it ends with that "
+                               "error, not run", self.name, request.id, exc)
+                raise
             logger.warning("taskdedup: could not put off the copy of %s[%s] (%s): it is "
                            "dropped; the running copy holds its own message",
                            self.name, request.id, exc)
