@@ -111,6 +111,14 @@ def lost_once(label: str) -> str:
     return label
 
 
+@app.task
+def in_order(label: str, run: str) -> str:
+    """Records the order the bodies of one ``run`` ran in (``fetch:order:<run>``)."""
+    r().rpush(f"fetch:order:{run}", label)
+    r().rpush(f"fetch:ran:{label}", os.getpid())
+    return label
+
+
 @app.task(acks_on_failure_or_timeout=False)
 def fails(label: str) -> None:
     """Fails: its message is rejected without requeue, never acked."""

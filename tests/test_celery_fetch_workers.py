@@ -494,3 +494,34 @@ def test_a_cold_shutdown_puts_the_tasks_it_cancels_back_at_the_head_of_their_que
         worker.kill()
         if second is not None:
             second.stop()
+
+
+def test_a_worker_on_two_queues_takes_kombus_priorities_and_every_queue(
+    fapp: Any, rc: redis.Redis, redis_url: str
+) -> None:
+    """Several queues and kombu's priority lists through the reliable fetch on a real worker
+    (``-Q a,b``, solo, prefetch 1, so each fetch is a choice): with messages waiting on both
+    queues, every priority-0 message (the highest on Redis) runs before any priority-9 one,
+    from both queues, and each runs once."""
+    run = name("order")
+    first, second = name("qa"), name("qb")
+    high = {queue: [f"h-{queue}-{i}" for i in range(3)] for queue in (first, second)}
+    low = {queue: [f"l-{queue}-{i}" for i in range(3)] for queue in (first, second)}
+    for queue in (first, second):
+        for label in low[queue]:
+            fapp.in_order.apply_async((label, run), queue=queue, priority=9)
+        for label in high[queue]:
+            fapp.in_order.apply_async((label, run), queue=queue, priority=0)
+    worker = FetchWorker(redis_url, queue=f"{first},{second}").start()
+    try:
+        total = sum(len(x) for x in (*high.values(), *low.values()))
+        wait_for(lambda: rc.llen(f"fetch:order:{run}") == total, timeout=30,
+                 what="every message ran")
+        order = [x.decode() for x in rc.lrange(f"fetch:order:{run}", 0, -1)]
+        assert sorted(order[:6]) == sorted(high[first] + high[second]), order
+        assert {label[2:-2] for label in order[:2]} == {first, second}  # both queues in turn
+        assert {ran(rc, label) for label in order} == {1}
+        wait_for(lambda: held(rc) == 0, timeout=10, what="every message acked")
+        assert owners_of(rc, worker)  # it consumed through the reliable fetch
+    finally:
+        worker.stop()
