@@ -468,6 +468,11 @@ def test_a_cold_shutdown_puts_the_tasks_it_cancels_back_at_the_head_of_their_que
     shutdown) cancels the acks-late bodies it runs: their messages, never acked, go back to the
     head of the queue with the countdowns the worker held, in the order taken, nothing left in
     a processing list, and the next worker runs each (the cancelled one again: at least once)."""
+    from celery.worker.consumer import Consumer
+
+    if not hasattr(Consumer, "cancel_active_requests"):
+        pytest.skip("Celery before 5.5 has no soft shutdown and terminates its pool at a cold "
+                    "shutdown; that path was not checked here")
     queue = name("cold")
     worker = FetchWorker(redis_url, queue=queue, pool="prefork", concurrency=2).start()
     second = None
