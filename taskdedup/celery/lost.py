@@ -11,12 +11,6 @@ held past ``visibility_timeout`` has copies: this one may have been put off in i
 while another copy's body runs under the same id, and turning that lock back would let two
 bodies run at once; there, and for a redelivered message, the lease decides as before.
 
-One narrower case is left open: a pool process killed after its body published a retry
-(``self.retry``: a new message under the same id, its lock queued again for it) and before it
-reported back; if another worker already runs the retry under that id, its running lock is
-turned back, and the requeued first delivery may run beside it. It takes a kill inside that
-millisecond; the lock keeps no token of the process that claimed it to tell the two apart.
-
 Celery's seam: the task's ``Request`` class (:attr:`DedupTask.Request
 <taskdedup.celery.DedupTask>`); the main process calls ``on_failure`` with
 ``WorkerLostError`` when a pool process dies, and ``reject`` with
