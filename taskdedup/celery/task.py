@@ -108,9 +108,6 @@ class DedupTask(Task):  # type: ignore[misc]
     # logged without a traceback.
     throws: tuple[type[BaseException], ...] = (DuplicateTaskError, RateLimitedError)
     _dedup_policy: Policy | None = Policy()
-    #: The worker's request: a body lost with its pool process, requeued, has its lock turned
-    #: back to queued first (SPEC §5; :mod:`taskdedup.celery.lost`).
-    Request = "taskdedup.celery.lost:DedupRequest"
     _dedup_duplicate_rate: float = 0.0
     _dedup_func: Callable[..., Any] | None = None
     _dedup_track_started: bool = False
