@@ -79,6 +79,9 @@ def fuses(app: Celery) -> bool:
         cached, why = _choose(app)
         app.__dict__["_taskdedup_fuses"] = cached
         app.__dict__["_taskdedup_fuses_why"] = why
+        # a kombu without what the fused push needs: a fallback the user did not choose
+        app.__dict__["_taskdedup_fuses_missing"] = (
+            None if cached else _compat.fused_push_missing(RedisTransport.Channel))
         say_publish_path(app)
     return cached
 
@@ -91,14 +94,18 @@ APART_TEXT = ("each deduplicated call is checked for duplicates in a Redis call 
 
 def say_publish_path(app: Celery) -> None:
     """Log the publish path chosen for ``app``: what it means for the user in one plain
-    sentence at INFO, how and why at DEBUG; nothing when none was chosen yet.
+    sentence at INFO (and, when kombu lacks what the fused push needs, that it fell back and
+    why), how and why at DEBUG; nothing when none was chosen yet.
 
     Said when the choice is made, and again by a worker once its logging is set up (the
     choice is made when tasks are bound, before Celery configures a worker's logging)."""
     why = app.__dict__.get("_taskdedup_fuses_why")
     if why is not None:
         fused = app.__dict__.get("_taskdedup_fuses")
-        logger.info("taskdedup: Celery app %r: %s", app.main, FUSED_TEXT if fused else APART_TEXT)
+        missing = app.__dict__.get("_taskdedup_fuses_missing")
+        fallback = f" ({missing}: taskdedup uses kombu's own publish)" if missing else ""
+        logger.info("taskdedup: Celery app %r: %s%s", app.main,
+                    FUSED_TEXT if fused else APART_TEXT, fallback)
         logger.debug("taskdedup: Celery app %r publish path: %s", app.main, why)
 
 
