@@ -345,9 +345,28 @@ class Driver:
         self.rc.set(f"model:busy:limited:{key}", 0)  # the killed body never counts down
         self.worker.start()
         wait_for(self._restored, timeout=60, interval=0.5, what="the killed messages restored")
-        self.settle(timeout=60)
         # the killed body, its redelivery (same id, late ack) and the two waiting calls
-        self._expect_limited(key, [holder, *waiting], runs=4)
+        sent = [holder, *waiting]
+        try:
+            self.settle(timeout=60)
+            self._expect_limited(key, sent, runs=4)
+        except TimeoutError:
+            self._lost_in_kombus_fetch([r.id for r in sent])
+            raise
+
+    def _lost_in_kombus_fetch(self, ids: list[str]) -> None:
+        """XFAIL when a call that never ended is in no queue and in kombu's unacked hash
+        neither: the SIGKILL caught its put-off message in kombu's fetch (popped by BRPOP, not
+        yet recorded as unacked), which loses it for good (SPEC §17; the reliable fetch closes
+        it, tests/test_celery_fetch_kills.py). A waiting call is fetched again about every
+        0.5 s, so a kill lands there now and then; any other shortfall fails."""
+        held = b"".join([*self.rc.lrange(self.queue, 0, -1), *self.rc.hvals("unacked")])
+        lost = [task_id for task_id in ids
+                if self.m.app.AsyncResult(task_id).state not in READY_STATES
+                and task_id.encode() not in held]
+        if lost:
+            pytest.xfail(f"kombu's fetch lost {lost} to the SIGKILL (popped, never unacked: "
+                         f"SPEC §17); steps: {self.log}")
 
     def _put_off(self, task: str, ids: list[str]) -> bool:
         """Each of ``ids`` has been put off by its limit (its own entry in the task's gauge of
