@@ -3,6 +3,9 @@
 Its task runs :func:`tests.sql_jobs.ledger_charge` (see there for what a body records). The
 broker and lock store are ``TASKDEDUP_TEST_REDIS_URL``; ``TASKDEDUP_TEST_VISIBILITY`` sets the
 broker's visibility timeout (how soon a killed worker's unacknowledged messages come back).
+``TASKDEDUP_TEST_RELIABLE_FETCH=1`` turns on taskdedup's reliable fetch (SPEC §17; lease
+``TASKDEDUP_TEST_FETCH_LEASE``, 10 s): a worker SIGKILLed between kombu's BRPOP and its unacked
+write would otherwise lose the message.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from tests.workers import CeleryWorker
 
 URL = os.environ.get("TASKDEDUP_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 VISIBILITY = float(os.environ.get("TASKDEDUP_TEST_VISIBILITY", "3600"))
+RELIABLE_FETCH = os.environ.get("TASKDEDUP_TEST_RELIABLE_FETCH") == "1"
 
 # -- Celery ----------------------------------------------------------------------------------
 
@@ -30,6 +34,8 @@ app.conf.update(
     worker_prefetch_multiplier=1,
     worker_hijack_root_logger=False,
     task_ignore_result=True,
+    taskdedup_reliable_fetch=RELIABLE_FETCH,
+    taskdedup_fetch_lease=float(os.environ.get("TASKDEDUP_TEST_FETCH_LEASE", "10")),
     broker_transport_options={
         "visibility_timeout": VISIBILITY,
         "unacked_restore_interval": 1,

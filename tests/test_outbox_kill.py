@@ -8,8 +8,11 @@ order with ``effects()`` in their own transaction on the same database.
   knows the rolled-back orders whatever moment a producer died at. Killed and restarted, a
   producer resumes after its last committed order.
 * Relays: ``taskdedup outbox relay`` (grace 1 s), two of them, killed and restarted.
-* Consumers: a real Celery prefork worker (acks_late, Redis ``visibility_timeout`` 4 s: a
-  killed worker's messages come back) killed whole and restarted; real RQ workers whose
+* Consumers: a real Celery prefork worker on taskdedup's reliable fetch (SPEC §17: kombu's
+  own fetch loses the messages of a worker SIGKILLed between its BRPOP and its unacked write —
+  the soak lost two committed orders that way, seed 155420444 on PostgreSQL — which no outbox
+  can see: their rows were published and deleted; acks_late, fetch lease 10 s: a killed
+  worker's messages come back) killed whole and restarted; real RQ workers whose
   work-horses are SIGKILLed mid-job (as the OOM killer does: the worker fails the job and
   ``Retry`` runs it again under its id). Each body stays in its transaction a random while
   (``TASKDEDUP_TEST_BODY_HOLD``) so kills land inside it.
@@ -220,7 +223,7 @@ def prove(dialect: str, directory: Path, redis_url: str, rc: redis.Redis, seed: 
     sql_apps.configure(redis_url, celery_queue)
     env = {"TASKDEDUP_TEST_SQL_URL": url, "TASKDEDUP_TEST_QUEUE": celery_queue,
            "TASKDEDUP_TEST_VISIBILITY": str(VISIBILITY), "TASKDEDUP_TEST_BODY_HOLD": str(HOLD),
-           "TASKDEDUP_TEST_PRODUCER_PACE": str(PACE)}
+           "TASKDEDUP_TEST_PRODUCER_PACE": str(PACE), "TASKDEDUP_TEST_RELIABLE_FETCH": "1"}
     rng = random.Random(seed)
     kills: Counter[str] = Counter()
     started: list[WorkerProcess] = []
@@ -313,9 +316,9 @@ def prove(dialect: str, directory: Path, redis_url: str, rc: redis.Redis, seed: 
                 f"seed {seed}: committed orders never charged: "
                 f"{[(o, int(rc.get(f'sql:attempt:{o}') or 0)) for o in missing]} (order, runs); "
                 f"celery queue {rc.llen(celery_queue)}, unacked {rc.hlen('unacked')}, "
-                f"rq queue {rc.llen(f'rq:queue:{rq_queue}')}. A Celery order with 0 runs, in "
-                "no queue and not unacked, was lost in kombu's fetch window (SPEC §17), not "
-                "by the outbox") from None
+                f"rq queue {rc.llen(f'rq:queue:{rq_queue}')} (the Celery worker consumes "
+                "through the reliable fetch: a killed worker's messages wait in its "
+                "processing lists until its fetch lease lapses)") from None
         print(f"outbox kill proof: drained after {time.monotonic() - began:.1f}s")
     finally:
         together([p.stop for p in started])
