@@ -119,14 +119,25 @@ def fail_first(label: str) -> str:
     return label
 
 
-@app.task(base=DedupTask, bind=True, dedup=Policy(mode="until_executed", ttl=60), max_retries=3)
-def retry_once(self: DedupTask, label: str, countdown: float = 1.0) -> str:
-    """Asks for a retry on the first attempt; the retry must run."""
+def _retry_once(task: DedupTask, label: str, countdown: float) -> str:
     attempt = r().incr(f"attempts:{label}")
     effect(label, attempt)
     if attempt == 1:
-        raise self.retry(countdown=countdown)
+        raise task.retry(countdown=countdown)
     return label
+
+
+@app.task(base=DedupTask, bind=True, dedup=Policy(mode="until_executed", ttl=60), max_retries=3)
+def retry_once(self: DedupTask, label: str, countdown: float = 1.0) -> str:
+    """Asks for a retry on the first attempt; the retry must run."""
+    return _retry_once(self, label, countdown)
+
+
+@app.task(base=DedupTask, bind=True, dedup=Policy(mode="until_executed", ttl=60), max_retries=3)
+def retry_once_counted(self: DedupTask, label: str, countdown: float = 1.0) -> str:
+    """:func:`retry_once` under a name of its own: a test reading this task's stats counters
+    sees no counts that another test's calls flush late (a worker flushes every ~5 s)."""
+    return _retry_once(self, label, countdown)
 
 
 @app.task(base=DedupTask, bind=True, dedup=Policy(mode="while_executing"), max_retries=3)

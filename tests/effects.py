@@ -51,3 +51,20 @@ def released(client: redis.Redis, key: str) -> bool:
     leaves for the owner's own copies (``F|...``, free to every other call: SPEC §5)."""
     value = client.get(key)
     return value is None or value.startswith(b"F|")
+
+
+def enqueue_figures(client: redis.Redis, task: str) -> tuple[int, int, int]:
+    """``taskdedup stats``' accepted, duplicates and retries of ``task`` (zeros before any)."""
+    from taskdedup.stats import read_stats
+
+    found = read_stats(client, "taskdedup", task).get(task)
+    return (0, 0, 0) if found is None else (found.accepted, found.duplicates, found.retries)
+
+
+def flush_counts(dedup: object) -> bool:
+    """Flush ``dedup``'s stats counters now. Not ``flush_all``: that also tries the recorders
+    an earlier test module of this process left pointed at a server it has stopped."""
+    from taskdedup.stats import attach
+
+    recorder = attach(dedup)  # type: ignore[arg-type]
+    return recorder is not None and recorder.flush()

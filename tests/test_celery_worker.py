@@ -158,21 +158,22 @@ def test_stats_count_a_retry_as_a_retry_not_as_an_accepted_enqueue(
 ) -> None:
     """#24 stumble 7: one accepted call, one duplicate and the call's retry showed as 2
     accepted, 1 duplicate (the retry's publish re-reserves the lock for its own id)."""
-    from taskdedup.stats import flush_all, read_stats
+    from taskdedup.celery import get_deduplicator
+    from tests.effects import enqueue_figures, flush_counts
 
-    task = capp.retry_once.name
+    task = capp.retry_once_counted.name
 
     def figures() -> tuple[int, int, int]:
-        found = read_stats(rc, "taskdedup", task).get(task)
-        return (0, 0, 0) if found is None else (found.accepted, found.duplicates,
-                                                found.retries)
+        return enqueue_figures(rc, task)
 
     before = figures()
     name = label()
-    first = capp.retry_once.apply_async((name,), {"countdown": 1})
-    assert capp.retry_once.apply_async((name,), {"countdown": 1}).id == first.id  # duplicate
+    first = capp.retry_once_counted.apply_async((name,), {"countdown": 1})
+    duplicate = capp.retry_once_counted.apply_async((name,), {"countdown": 1})
+    assert duplicate.id == first.id
     assert first.get(timeout=30) == name and effects(rc, name) == ["1", "2"]
-    assert flush_all()  # this process's counts; the worker flushes its own every few seconds
+    # this process's counts; the worker flushes its own every few seconds
+    assert flush_counts(get_deduplicator(capp.app))
     wait_for(lambda: figures()[2] > before[2], timeout=30, what="the worker's retry counted")
     assert tuple(now - then for now, then in zip(figures(), before, strict=True)) == (1, 1, 1)
 

@@ -193,23 +193,21 @@ def test_stats_count_a_retry_as_a_retry_not_as_an_accepted_enqueue(
 ) -> None:
     """#24 stumble 7: the retry's re-reservation of its own lock is a retry, not a second
     accepted enqueue."""
-    from taskdedup.stats import flush_all, read_stats
+    from tests.effects import enqueue_figures, flush_counts
 
-    task = f"{rq_jobs.fail_first.__module__}.{rq_jobs.fail_first.__name__}"
+    task = f"{rq_jobs.fail_first_counted.__module__}.{rq_jobs.fail_first_counted.__name__}"
 
     def figures() -> tuple[int, int, int]:
-        found = read_stats(rc, "taskdedup", task).get(task)
-        return (0, 0, 0) if found is None else (found.accepted, found.duplicates,
-                                                found.retries)
+        return enqueue_figures(rc, task)
 
     before = figures()
     name = label()
-    first = q.enqueue(rq_jobs.fail_first, name, retry=Retry(max=1, interval=1))
+    first = q.enqueue(rq_jobs.fail_first_counted, name, retry=Retry(max=1, interval=1))
     assert first is not None
-    duplicate = q.enqueue(rq_jobs.fail_first, name, retry=Retry(max=1, interval=1))
+    duplicate = q.enqueue(rq_jobs.fail_first_counted, name, retry=Retry(max=1, interval=1))
     assert duplicate is not None and duplicate.id == first.id
     assert ended(first) == "finished" and effects(rc, name) == ["1", "2"]
-    assert flush_all()
+    assert flush_counts(q.dedup)
     wait_for(lambda: figures()[2] > before[2], timeout=30, what="the worker's retry counted")
     assert tuple(now - then for now, then in zip(figures(), before, strict=True)) == (1, 1, 1)
 
