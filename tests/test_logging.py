@@ -125,6 +125,10 @@ def test_rq_worker_output_says_skipped_at_info_and_the_detail_at_debug(
             wait_for(lambda q=q, job_id=job_id: _skipped(q, job_id), timeout=30,
                      what=f"job {job_id} skipped")
             q.empty()
+        # the worker prints its line after it saved the job's result: wait for the line
+        for worker in started:
+            wait_for(lambda w=worker: "Skipped (not run)" in w.output(), timeout=15,
+                     what="the worker's line for the skipped job")
         debug, info = (w.output() for w in started)
         assert "skipped tests.rq_jobs.record[" in debug and "someone-else" in debug
         assert "skipped tests.rq_jobs.record[" not in info  # the detail line: DEBUG only
