@@ -828,6 +828,7 @@ class Heartbeat:
         self._wake_at = float("inf")  # when the thread wakes next on its own
         self._settle: dict[int, Any] = {}  # stores owing completion replies (settle_soon)
         self._settle_at = float("inf")
+        self._calls: list[tuple[float, Callable[[], object]]] = []  # call_later
 
     def add(self, name: str, key: str, owner: str, lease_ms: int) -> None:
         due = time.monotonic() + lease_ms / 3000
@@ -861,6 +862,16 @@ class Heartbeat:
             if at < self._wake_at:
                 self._cond.notify()
 
+    def call_later(self, delay: float, call: Callable[[], object]) -> None:
+        """Have this heartbeat's thread call ``call()`` once, ``delay`` seconds on (an RQ
+        work-horse's stats: :func:`taskdedup.stats.hold_threads`). Errors are logged."""
+        at = time.monotonic() + delay
+        with self._cond:
+            self._calls.append((at, call))
+            self._start()
+            if at < self._wake_at:
+                self._cond.notify()
+
     def __len__(self) -> int:
         return len(self._due)
 
@@ -872,14 +883,23 @@ class Heartbeat:
                 if self._settle_at <= now:
                     settle, self._settle = list(self._settle.values()), {}
                     self._settle_at = float("inf")
+                calls = [call for at, call in self._calls if at <= now]
+                if calls:
+                    self._calls = [(at, call) for at, call in self._calls if at > now]
             for store in settle:
                 self._read_replies(store)
+            for call in calls:
+                try:
+                    call()
+                except Exception:  # the thread must survive anything
+                    logger.exception("taskdedup: a call on the heartbeat thread failed")
             with self._cond:
                 now = time.monotonic()
                 due = [(k, v) for k, v in self._due.items() if v[0] <= now]
                 if not due:
                     wait = min(min((v[0] for v in self._due.values()), default=now + 60),
-                               self._settle_at) - now
+                               self._settle_at,
+                               min((at for at, _ in self._calls), default=now + 60)) - now
                     self._wake_at = now + max(0.005, wait)
                     self._cond.wait(timeout=max(0.005, wait))
                     self._wake_at = float("inf")

@@ -530,6 +530,31 @@ def test_start_claims_the_running_lock_and_starts_the_heartbeat(
     assert rec.of(Event.CLAIMED)[0].task_id == A
 
 
+def test_the_heartbeat_thread_calls_later_once_and_survives_a_failing_call(
+    dedup: Deduplicator, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``Heartbeat.call_later``: what an RQ work-horse's held stats threads ride on."""
+    called = threading.Event()
+    calls: list[str] = []
+
+    def fails() -> None:
+        calls.append("fails")
+        raise RuntimeError("boom")
+
+    def works() -> None:
+        calls.append("works")
+        called.set()
+
+    heartbeat = dedup.heartbeat()
+    with caplog.at_level(logging.ERROR, logger="taskdedup"):
+        heartbeat.call_later(0.01, fails)
+        heartbeat.call_later(0.05, works)
+        assert called.wait(10), "the later call did not come"
+    time.sleep(0.1)  # neither is called twice
+    assert calls == ["fails", "works"]
+    assert "a call on the heartbeat thread failed" in caplog.text
+
+
 @pytest.mark.parametrize("mode", GATING)
 def test_start_by_a_second_owner_is_a_duplicate(
     dedup: Deduplicator, store: MemoryStore, rec: Recorder, mode: str

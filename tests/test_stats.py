@@ -21,7 +21,10 @@ from taskdedup.stats import (
     attach,
     flush_all,
     hand_over,
+    held_interval,
+    hold_threads,
     read_stats,
+    release_threads,
     stats_key,
     take_over,
 )
@@ -289,6 +292,41 @@ def test_a_forked_child_hands_its_counts_to_the_parent_without_writing_to_redis(
     assert rec.flush() is True
     assert fields(redis_client, "app.child") == {"claimed": 1, "completed": 1}
     rec.close(flush=False)
+
+
+def test_held_recorders_start_their_thread_when_released_and_flush_if_due(
+    redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An RQ work-horse holds the threads: none starts per job; a long job releases them from
+    its heartbeat thread after held_interval(), flushing what its thread would have by then."""
+    import taskdedup.stats as stats_module
+
+    monkeypatch.setattr(stats_module, "_RECORDERS", type(stats_module._RECORDERS)())
+    short = StatsRecorder(redis_client, interval=NEVER / 2)
+    long = StatsRecorder(redis_client, interval=NEVER)
+    hold_threads()
+    try:
+        short(ev(Event.CLAIMED, task="app.short"))
+        long(ev(Event.CLAIMED, task="app.long"))
+        assert short._thread is None and long._thread is None  # no thread while held
+        assert held_interval() == NEVER / 2
+        payload = hand_over()  # a horse that ends first: its counts go to its parent
+        assert payload is not None and b"app.short" in payload
+        assert take_over(payload) is True
+        assert short._thread is None  # still held
+    finally:
+        release_threads(flush=True)
+    try:
+        assert short._thread is not None and long._thread is not None
+        assert fields(redis_client, "app.short") == {"claimed": 1}  # its first flush was due
+        assert fields(redis_client, "app.long") == {}  # not yet: its thread writes it later
+        assert long.pending() == {"app.long": {"claimed": 1}}
+        release_threads(flush=True)  # not held any more: nothing happens
+        long(ev(Event.COMPLETED, task="app.long"))
+        assert long.pending() == {"app.long": {"claimed": 1, "completed": 1}}
+    finally:
+        short.close(flush=False)
+        long.close(flush=False)
 
 
 def test_hand_over_keeps_what_does_not_fit_and_take_over_drops_garbage(

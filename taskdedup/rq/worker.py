@@ -3,6 +3,7 @@ releases or re-reserves it from RQ's own success, failure and retry handlers."""
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from datetime import timedelta
@@ -144,6 +145,19 @@ class DedupWorker(Worker):
         if payload is None:
             stats.flush_before_exit()
 
+    def _stats_threads_later(self) -> None:
+        """After the claim in a work-horse: a horse that runs a body under a heartbeat starts
+        its stats threads (and flushes) from that heartbeat's thread once the first flush
+        would have been due, so a long job's counts reach Redis as before; it spares a
+        thread start per job (most jobs end first, their counts handed to the worker).
+        Without a heartbeat the threads start now, as they did."""
+        heartbeat = self.dedup.heartbeat()
+        if len(heartbeat):
+            heartbeat.call_later(stats.held_interval(),
+                                 functools.partial(stats.release_threads, flush=True))
+        else:
+            stats.release_threads()
+
     def _take_stats_from_horse(self) -> None:
         fd = getattr(self, "_stats_read", None)
         if fd is None:
@@ -182,6 +196,9 @@ class DedupWorker(Worker):
             finally:
                 job_limits.leave(self, job)
         generation, follow_up = _flow_generation(job, guard)
+        horse = os.getpid() != self._dedup_pid
+        if horse:  # no stats thread per work-horse: its counts go to the worker at its end
+            stats.hold_threads()
         try:
             if generation is None:
                 result = self.dedup.start(guard.name, guard.policy, guard.key, job.id)
@@ -189,10 +206,18 @@ class DedupWorker(Worker):
                 result = flow.claim(self.dedup, guard.name, guard.policy, guard.key, job.id,
                                     generation=generation, follow_up=follow_up)
         except StoreUnavailableError as exc:
+            if horse:
+                stats.release_threads()
             if refused(exc):  # the same answer every time: this job's error, not an outage
                 return self._fail(job, queue, run, _refusal(guard, job, exc))
             self._retry_later(job, queue, execution, guard, exc)
             return False
+        except BaseException:
+            if horse:
+                stats.release_threads()
+            raise
+        if horse:
+            self._stats_threads_later()
         if result.verdict is Verdict.SUPERSEDED:
             if follow_up:  # the follow-up's newer write runs under this id: no new outcome
                 self._end_copy(job, queue, execution)
