@@ -56,7 +56,7 @@ from tests.workers import RqWorker, WorkerProcess
 pytestmark = pytest.mark.slow
 
 SEED = 20261126
-ORDERS_DEFAULT = 60
+ORDERS_DEFAULT = 100  # per database: 200 orders in the default run
 SOAK_ORDERS = int(os.environ.get("TASKDEDUP_SOAK_OUTBOX") or 0)
 PRODUCERS = 2
 RELAYS = 2
@@ -245,7 +245,7 @@ def prove(dialect: str, directory: Path, redis_url: str, rc: redis.Redis, seed: 
         together([p.start for p in producers])
         rq_mains = {w.process.pid for w in rq_workers if w.process is not None}
         print(f"outbox kill proof: processes up after {time.monotonic() - began:.1f}s")
-        plan = KILLS * max(1, orders // ORDERS_DEFAULT)  # the soak: as many per 60 orders
+        plan = KILLS * max(1, orders // 60)  # the soak: as many again per 60 orders
         rng.shuffle(plan)
         deadline = time.monotonic() + 90 + orders * PACE
         pause = threading.Event()
