@@ -340,6 +340,12 @@ class Driver:
                         f"waiting: {[r.id for r in waiting]}")
         wait_for(lambda: self._put_off("model.limited", [r.id for r in waiting]), timeout=20,
                  what="the waiting calls put off")
+        # and their put-off messages held by the worker: the gauge entry is written just before
+        # the republish, which the worker's BRPOP takes at once, so a SIGKILL right after the
+        # entry appears lands in kombu's fetch window (popped, not yet unacked) far more often
+        # than at random
+        wait_for(lambda: self._held([r.id for r in waiting]), timeout=20,
+                 what="the waiting calls' put-off messages held by the worker")
         assert self.runs("limited", key) == 1, "the waiting calls never run beside the holder"
         self.worker.kill()
         self.rc.set(f"model:busy:limited:{key}", 0)  # the killed body never counts down
@@ -367,6 +373,12 @@ class Driver:
         if lost:
             pytest.xfail(f"kombu's fetch lost {lost} to the SIGKILL (popped, never unacked: "
                          f"SPEC §17); steps: {self.log}")
+
+    def _held(self, ids: list[str]) -> bool:
+        """Each of ``ids`` is in kombu's unacked hash and none is in the queue."""
+        unacked = b"".join(self.rc.hvals("unacked"))
+        queued = b"".join(self.rc.lrange(self.queue, 0, -1))
+        return all(i.encode() in unacked and i.encode() not in queued for i in ids)
 
     def _put_off(self, task: str, ids: list[str]) -> bool:
         """Each of ``ids`` has been put off by its limit (its own entry in the task's gauge of
