@@ -319,6 +319,18 @@ def test_tutorial_runs_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
              "--pool=solo"], cwd=tmp_path, env=env,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
+            # the tutorial starts the worker first, in a terminal of its own: wait until it
+            # answers (on a loaded machine its start takes longer than the session's get(10))
+            from celery import Celery
+
+            from taskdedup.testing import wait_for
+
+            probe = Celery("probe", broker=server.url, set_as_current=False)
+            try:
+                wait_for(lambda: probe.control.ping(timeout=0.5), timeout=90, interval=0.2,
+                         what="the tutorial's Celery worker to answer a ping")
+            finally:
+                probe.close()
             for i, session in enumerate(sessions[:3]):
                 run(session, f"tutorial celery {i + 3}")
         finally:
