@@ -48,7 +48,10 @@ def test_celery_fused_publish_with_an_approximate_window_through_a_real_worker(
     first = note.delay(label)
     assert first is not None
     assert counter.commands == ["EVALSHA"]  # filters, lock and push: one script
-    assert note.delay(label).id == first.id  # queued or running: the exact lock answers
+    # queued or running: the exact lock answers with the original's handle; a worker fast
+    # enough to have finished it already handed it to the window, which knows no id (None)
+    again = note.delay(label)
+    assert again is None or again.id == first.id
     wait_for(lambda: effects(rc, label) == 1, timeout=60, what="the body ran")
     # until the worker completes, the exact lock answers with the original's handle
     wait_for(lambda: note.delay(label) is None, timeout=30, what="the lock handed to the filter")
