@@ -24,11 +24,7 @@ KEY = "taskdedup:stats:tests.rq_jobs.gated"
 
 @pytest.fixture(scope="module")
 def worker(redis_url: str, rc: redis.Redis) -> Iterator[RqWorker]:
-    started = RqWorker(redis_url, [QUEUE], scheduler=False).start()
-    try:
-        yield started
-    finally:
-        started.stop()
+    yield from RqWorker(redis_url, [QUEUE], scheduler=False).running()
 
 
 def counts(rc: redis.Redis) -> dict[str, int]:

@@ -71,11 +71,7 @@ def forged(rc: redis.Redis, queue: str, name: str, key: Any) -> Job:
 
 @pytest.fixture(scope="module")
 def worker(redis_url: str, rc: redis.Redis) -> Iterator[RqWorker]:
-    started = RqWorker(redis_url, [QUEUE], scheduler=False).start()
-    try:
-        yield started
-    finally:
-        started.stop()
+    yield from RqWorker(redis_url, [QUEUE], scheduler=False).running()
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Self
 
@@ -69,6 +70,14 @@ class WorkerProcess:
         if self.process is not None and self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(timeout=10)
+
+    def running(self) -> Iterator[Self]:
+        """Start, yield, stop: a fixture's body (``yield from worker.running()``)."""
+        self.start()
+        try:
+            yield self
+        finally:
+            self.stop()
 
     def stop(self) -> None:
         """Warm shutdown (SIGTERM): the worker finishes its current task, then exits."""
