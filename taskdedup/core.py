@@ -10,7 +10,6 @@ Each of these is one store transition (one Redis round trip). Decisions about st
 
 from __future__ import annotations
 
-import os
 import re
 import threading
 import time
@@ -31,6 +30,7 @@ from .exceptions import (
     StoreUnavailableError,
 )
 from .identity import fingerprint, fingerprint_value
+from .pids import pid
 from .policy import Mode, OnBusy, OnDuplicate, OnStoreError, Policy
 from .stores.base import SETTLE_AFTER, LockResult, LockState, Outcome, Store
 
@@ -401,11 +401,25 @@ class Deduplicator:
 
     # -- worker ---------------------------------------------------------------------------
 
-    def start(self, name: str, policy: Policy, key: str, owner: str) -> StartResult:
+    def send_start(self, policy: Policy, key: str, owner: str) -> Any | None:
+        """The claim of :meth:`start`, sent now and read by ``start(..., sent=...)``: an
+        integration that has a round trip of its own to make first (Celery's ack) sends the
+        claim before it, so both wait on the server together. None when it cannot be sent
+        ahead (a store without ``send_claim``, ``until_executing``, an approximate window):
+        then ``start`` claims as usual."""
+        send = getattr(self.store, "send_claim", None)
+        if send is None or policy.window is not None or policy.mode is Mode.UNTIL_EXECUTING:
+            return None
+        if not self._store_checked:
+            self.check_store()
+        return send(key, owner, policy.lease_ms)
+
+    def start(self, name: str, policy: Policy, key: str, owner: str, *,
+              sent: Any = None) -> StartResult:
         """Guard a body about to run: claim the running lock and start its heartbeat.
 
         ``until_executing`` does not gate execution: its reservation is released here and
-        the body always runs.
+        the body always runs. ``sent``: this claim, sent ahead by :meth:`send_start`.
 
         Raises:
             StoreUnavailableError: Redis is down and ``on_store_error='raise'``; the
@@ -417,8 +431,10 @@ class Deduplicator:
             self.release(name, key, owner, reason="started")
             return StartResult(Verdict.ACCEPTED)
         try:
-            probe = window_probe(policy, key)
-            if probe is not None:
+            probe = None if sent is not None else window_probe(policy, key)
+            if sent is not None:
+                result = sent.read()
+            elif probe is not None:
                 result = self.store.claim(key, owner, policy.lease_ms,  # type: ignore[call-arg]
                                           window=probe)
             else:
@@ -584,16 +600,16 @@ class Deduplicator:
 
     def heartbeat(self) -> Heartbeat:
         """This process's heartbeat thread (a new one after a fork)."""
-        pid = os.getpid()
-        if self._heartbeat is None or self._heartbeat_pid != pid:
+        current = pid()
+        if self._heartbeat is None or self._heartbeat_pid != current:
             with self._heartbeat_lock:
-                if self._heartbeat is None or self._heartbeat_pid != pid:
+                if self._heartbeat is None or self._heartbeat_pid != current:
                     self._heartbeat = Heartbeat(self)
-                    self._heartbeat_pid = pid
+                    self._heartbeat_pid = current
         return self._heartbeat
 
     def stop_heartbeat(self, key: str, owner: str) -> None:
-        if self._heartbeat is not None and self._heartbeat_pid == os.getpid():
+        if self._heartbeat is not None and self._heartbeat_pid == pid():
             self._heartbeat.remove(key, owner)
 
     # -- helpers --------------------------------------------------------------------------

@@ -44,6 +44,7 @@ import redis
 from .events import DedupEvent, Event, logger
 from .exceptions import ConfigurationError
 from .locks import glob_escape, key_bytes, key_text
+from .pids import pid
 from .stores.redis import RedisStore, describe_client
 
 if TYPE_CHECKING:
@@ -157,7 +158,7 @@ class StatsRecorder:
         self._lock = threading.Lock()
         self._flush_lock = threading.Lock()
         self._pending: dict[str, Counter[str]] = {}
-        self._pid = os.getpid()
+        self._pid = pid()
         self._thread: threading.Thread | None = None
         self._wanted = False  # a thread was due while held (hold_threads)
         self._stop = threading.Event()
@@ -174,7 +175,7 @@ class StatsRecorder:
                 counts = self._pending[event.task] = Counter()
             for name, increment in fields:
                 counts[name] += increment
-        if self._thread is None or self._pid != os.getpid():
+        if self._thread is None or self._pid != pid():
             self._start_thread()
 
     def pending(self) -> dict[str, dict[str, int]]:
@@ -202,7 +203,7 @@ class StatsRecorder:
     def _write(self, *, keep: bool) -> tuple[int, int, BaseException | None]:
         """One pipeline of HINCRBYs for what is pending. Returns the deltas and the counts
         not written, and why; those deltas are kept for the next flush when ``keep``."""
-        if self._pid != os.getpid():  # forked and not called since: the deltas were the parent's
+        if self._pid != pid():  # forked and not called since: the deltas were the parent's
             self._reset_after_fork()
         with self._flush_lock:
             with self._lock:
@@ -254,7 +255,7 @@ class StatsRecorder:
     # -- the thread -----------------------------------------------------------------------
 
     def _start_thread(self) -> None:
-        if self._pid != os.getpid():
+        if self._pid != pid():
             self._reset_after_fork()
         with self._lock:
             if self._thread is not None:
@@ -308,14 +309,15 @@ def hold_threads() -> None:
     heartbeat thread it runs anyway, so its counts still reach Redis on the same cadence.
     """
     global _held_pid
-    _held_pid = os.getpid()
+    _held_pid = pid()
 
 
 def held_interval() -> float:
     """The shortest flush interval of this process's recorders (when the first flush of a
     thread started now would have been due)."""
-    pid = os.getpid()
-    return min((r.interval for r in list(_RECORDERS) if r._pid == pid), default=DEFAULT_INTERVAL)
+    current = pid()
+    return min((r.interval for r in list(_RECORDERS) if r._pid == current),
+               default=DEFAULT_INTERVAL)
 
 
 def release_threads(*, flush: bool = False) -> None:
@@ -323,13 +325,13 @@ def release_threads(*, flush: bool = False) -> None:
     ``flush``: ``held_interval()`` has passed since the hold, so a recorder whose interval
     is that short writes its deltas first, as its thread would have by now."""
     global _held_pid
-    pid = os.getpid()
-    if _held_pid != pid:
+    current = pid()
+    if _held_pid != current:
         return
     _held_pid = 0
     shortest = held_interval()
     for recorder in list(_RECORDERS):
-        if recorder._pid != pid:
+        if recorder._pid != current:
             continue
         with recorder._lock:
             wanted, recorder._wanted = recorder._wanted, False
@@ -353,7 +355,7 @@ def flush_all() -> bool:
     """
     ok = True
     for recorder in list(_RECORDERS):
-        if recorder._pid == os.getpid():
+        if recorder._pid == pid():
             ok = recorder.flush() and ok
     return ok
 
@@ -369,7 +371,7 @@ def hand_over(limit: int = 32_768) -> bytes | None:
     """
     taken: list[tuple[StatsRecorder, dict[str, Counter[str]]]] = []
     for recorder in list(_RECORDERS):
-        if recorder._pid == os.getpid():
+        if recorder._pid == pid():
             with recorder._lock:
                 batch, recorder._pending = recorder._pending, {}
             taken.append((recorder, batch))
@@ -392,7 +394,7 @@ def take_over(payload: bytes) -> bool:
     recorders; they go out with this process's next flush. True when every entry found its
     recorder (one created in the child after the fork has no counterpart here). Never raises
     for a malformed payload: it is logged and dropped (counters are statistics)."""
-    by_id = {id(recorder): recorder for recorder in _RECORDERS if recorder._pid == os.getpid()}
+    by_id = {id(recorder): recorder for recorder in _RECORDERS if recorder._pid == pid()}
     try:
         entries = [(int(r), str(t), str(f), int(n)) for r, t, f, n in json.loads(payload)]
     except (ValueError, TypeError) as exc:
@@ -417,7 +419,7 @@ def flush_before_exit() -> None:
     lost = 0
     where, error = "", None
     for recorder in list(_RECORDERS):
-        if recorder._pid != os.getpid():
+        if recorder._pid != pid():
             continue
         try:
             recorder.close(flush=False)

@@ -36,13 +36,19 @@ missing when a worker starts; the worker then keeps kombu's fetch and logs a WAR
 - ``_flush_brpop_reauth``: kombu 5.7 re-authenticates the waiting connection after a reply.
 - ``Channel.close`` reading a pending ``BRPOP`` reply: kombu 5.6+ (the reliable fetch reads its
   own pending reply before, on every release).
+
+The claim sent ahead on a solo worker (:class:`~taskdedup.celery.ahead.ClaimAhead`) wraps one
+channel's ``QoS.append(message, delivery_tag)`` (kombu's Redis ``QoS``, or the reliable
+fetch's subclass), where kombu records a received message unacked before Celery sees it:
+:func:`wrap_qos_append` checks it when the consumer starts; without it the claim goes out when
+the pool accepts the task (Celery's public ``Task.Request``).
 """
 
 from __future__ import annotations
 
 import inspect
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from kombu.transport import redis as kombu_redis
@@ -408,3 +414,32 @@ def after_poll_reply(channel: Any) -> None:
     if flush is not None:
         flush()
 
+
+
+# -- the claim sent ahead (the consuming side) ------------------------------------------------
+
+
+def wrap_qos_append(channel: Any, before: Callable[[Any], None]) -> str | None:
+    """Have ``before(message)`` called as kombu's Redis ``QoS.append`` records a received
+    message unacked (its round trip), on this one channel (:class:`~.ahead.ClaimAhead`);
+    ``before`` must not block, and its errors are logged, never raised. None when done (or
+    done already), else what is missing: the claim then goes out later, as before."""
+    qos = getattr(channel, "qos", None) if channel is not None else None
+    if not isinstance(qos, kombu_redis.QoS):
+        return "the worker does not consume from Redis through kombu's QoS"
+    append = getattr(qos, "append", None)
+    if getattr(append, "taskdedup_ahead", False):
+        return None
+    if not callable(append) or "delivery_tag" not in inspect.signature(append).parameters:
+        return "kombu's QoS.append is not append(message, delivery_tag)"
+
+    def wrapped(message: Any, delivery_tag: Any) -> Any:
+        try:
+            before(message)
+        except Exception:
+            logger.debug("taskdedup: could not send a claim ahead", exc_info=True)
+        return append(message, delivery_tag)
+
+    wrapped.taskdedup_ahead = True  # type: ignore[attr-defined]
+    qos.append = wrapped  # type: ignore[method-assign]
+    return None

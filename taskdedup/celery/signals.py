@@ -18,7 +18,7 @@ from celery import signals
 from .. import running, stats
 from ..policy import Mode
 from ..stores import trail
-from . import _compat, claims
+from . import _compat, ahead, claims
 from ._message import HEADER, RUNNING_ATTR, SKIPPED, STATE_ATTR, request_header
 from .config import get_deduplicator, say_fetch_path, say_publish_path, use_reliable_fetch
 from .task import DedupTask
@@ -103,6 +103,7 @@ def _on_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
     # Celery 5.3-5.7 send a Context built from the message (headers as attributes), not the
     # Request: _lock_key reads the header from either.
     task_id = request.id
+    ahead.discard(task_id)  # its claim, sent as the message arrived (solo): released below
     key = _lock_key(task, task_id, request)
     claims.forget(task_id)
     if key and task_id:

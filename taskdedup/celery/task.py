@@ -50,6 +50,7 @@ from ..running import Running
 from ..stores.base import LockState, Outcome
 from ..stores.redis import may_have_run, refused
 from . import _compat, claims, eager
+from . import ahead as claimed_ahead
 from . import limits as task_limits
 from ._message import (
     HEADER,
@@ -104,6 +105,9 @@ class DedupTask(Task):  # type: ignore[misc]
     """
 
     dedup: Policy | Mapping[str, Any] | bool | None = None
+    Request = "taskdedup.celery.ahead:DedupRequest"
+    """Celery's worker request, with the claim sent before the ack (:mod:`.ahead`); a
+    subclass may name its own (a subclass of that one keeps the saving)."""
     # A duplicate that ends its workflow, and a call a limit dropped, are expected errors:
     # logged without a traceback.
     throws: tuple[type[BaseException], ...] = (DuplicateTaskError, RateLimitedError)
@@ -138,6 +142,8 @@ class DedupTask(Task):  # type: ignore[misc]
         first gated publish decides otherwise (the order of publishes does not matter either
         way: the one-round-trip publish has producers of its own)."""
         super().on_bound(app)
+        if cls._dedup_policy is not None:
+            app.steps["consumer"].add(claimed_ahead.ClaimAhead)  # a set: once per app
         if cls._dedup_policy is not None and app.configured:
             fuses(app)
         if cls._dedup_policy is not None and cls.track_started:
@@ -617,6 +623,17 @@ class DedupTask(Task):  # type: ignore[misc]
     def _claim_start(self, task_id: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
         """Claim the running lock; skip the body of a duplicate; put off a concurrent copy of
         this very message; end a redelivery of a call that already succeeded."""
+        ahead = [claimed_ahead.take(task_id)]  # the claim sent before the ack, if any
+        try:
+            self._claim_body(task_id, args, kwargs, ahead)
+        finally:
+            if ahead[0] is not None:  # sent ahead, not read: never a lock without its body
+                claimed_ahead.abandon(task_id, ahead[0])
+
+    def _claim_body(self, task_id: str, args: Sequence[Any], kwargs: Mapping[str, Any],
+                    ahead: list[tuple[str, Any, Any, int] | None]) -> None:
+        """:meth:`_claim_start`'s work; ``ahead[0]``, the claim sent ahead, is emptied when
+        this claim reads it."""
         super().before_start(task_id, args, kwargs)
         request = self.request
         setattr(request, TRACED_ATTR, True)  # the tracer's call, not a direct one
@@ -635,9 +652,12 @@ class DedupTask(Task):  # type: ignore[misc]
         if key is None:  # sent by name, or from a client without taskdedup
             key = dedup.identity(self.name, policy, args, kwargs, func=self._func()).key
         generation, follow_up = _flow_generation(policy, raw, self.name)
+        sent, early = None, ahead[0]
+        if early is not None and generation is None and early[1].key == key and early[2] is dedup:
+            sent, ahead[0] = early[1], None
         try:
             if generation is None:
-                result = dedup.start(self.name, policy, key, task_id)
+                result = dedup.start(self.name, policy, key, task_id, sent=sent)
             else:  # debounce / coalesce: the claim compares the message's generation
                 result = flow.claim(dedup, self.name, policy, key, task_id,
                                     generation=generation, follow_up=follow_up)

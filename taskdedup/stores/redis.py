@@ -19,6 +19,7 @@ server: Celery's ``RedisTransport`` and RQ's ``DedupQueue``.
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -49,7 +50,9 @@ from .base import LockInfo, LockResult, LockState, Outcome, Remembered
 from .memory import check_check, check_ms, check_owner, parse_value
 from .trail import Trails
 
-__all__ = ["RedisStore", "SentReserve"]
+logger = logging.getLogger("taskdedup")
+
+__all__ = ["RedisStore", "SentClaim", "SentReserve"]
 
 _hiredis_pack: Callable[[tuple[Any, ...]], bytes] | None
 try:
@@ -416,14 +419,36 @@ class RedisStore:
         if check:  # "" (no explicit key) needs no pattern
             check_check(check)
         script = self._replace if replace else self._reserve
-        command = ("EVALSHA", script.sha, 1, key, owner, ttl_ms, check, "1" if fresh else "0")
-        sent = SentReserve(self, script, command)
+        return self._send(script, "replace" if replace else "reserve", key, owner, ttl_ms,
+                          check, "1" if fresh else "0")
+
+    def send_claim(self, key: str, owner: str, lease_ms: int) -> SentClaim | SentReserve | None:
+        """Send :meth:`claim` (no approximate window) without waiting for its reply, so the
+        worker can do other work (kombu's own round trip) while Redis runs the script; its
+        ``read()`` answers as :meth:`claim` does. It goes out on this thread's connection
+        for completions (:mod:`.trail`), after the completions sent before it (the server
+        runs them first: the same identity may follow at once), and its reply is read with
+        theirs, often in the same socket read. None as for :meth:`send_reserve`."""
+        if self._take_connection is None:
+            return None
+        check_owner(owner)
+        check_ms("lease_ms", lease_ms)
+        if self._trails is None:  # completions wait for their replies: nothing owed
+            return self._send(self._claim, "claim", key, owner, lease_ms)
+        sent = SentClaim(self, key, owner, lease_ms)
+        sent.trail = self._trails.send(("EVALSHA", self._claim.sha, 1, key, owner, lease_ms),
+                                       sent.reply)
+        return sent
+
+    def _send(self, script: Script, action: str, key: str, *args: str | int) -> SentReserve:
+        """``EVALSHA script 1 key *args`` written on a lent connection, its reply unread."""
+        sent = SentReserve(self, script, action, key, args)
         try:
             conn = self._lend()
         except RedisError:
             return sent  # read() makes the call through the client
         try:
-            conn.send_packed_command(_pack(conn, [command]))
+            conn.send_packed_command(_pack(conn, [("EVALSHA", script.sha, 1, key, *args)]))
         except BaseException as exc:
             self._drop(conn)
             if not isinstance(exc, RedisError):
@@ -533,7 +558,8 @@ class RedisStore:
                 reply = self._unavailable(f"complete {key!r}", reply)
             on_outcome(reply if isinstance(reply, Exception) else _OUTCOMES[reply])
 
-        return self._trails.send(("EVALSHA", self._complete.sha, 1, key, *args), outcome)
+        return self._trails.send(("EVALSHA", self._complete.sha, 1, key, *args),
+                                 outcome) is not None
 
     def settle(self, older_than: float | None = None) -> bool:
         """Read the replies :meth:`complete_later` left unread (all of them, or those older
@@ -770,26 +796,91 @@ class RedisStore:
         self.client.close()
 
 
+_UNREAD: Any = object()
+
+
+class SentClaim:
+    """A claim sent by :meth:`RedisStore.send_claim` on a trail, its reply not read yet.
+
+    Read it once with :meth:`read`, from any thread; :meth:`discard` reads and drops it.
+    """
+
+    __slots__ = ("_lease_ms", "_owner", "_reply", "_store", "key", "trail")
+
+    def __init__(self, store: RedisStore, key: str, owner: str, lease_ms: int) -> None:
+        self._store = store
+        self.key = key
+        """The lock key the claim is about."""
+        self._owner = owner
+        self._lease_ms = lease_ms
+        self._reply: Any = _UNREAD
+        self.trail: Any = None
+        """The trail it went out on (None: it could not be sent; :meth:`read` claims)."""
+
+    def reply(self, reply: Any) -> None:
+        """The trail's callback: the reply, or the error the call ended with."""
+        self._reply = reply
+
+    def read(self) -> LockResult:
+        """The store's answer, as :meth:`RedisStore.claim` gives it. A claim that could not
+        be sent is made now; a connection that broke before the reply was read has it made
+        again through the client (``complete`` and ``claim`` are the owner's own: a claim
+        that had run answers as a copy of this very call).
+
+        Raises:
+            StoreUnavailableError: the store answered an error or cannot be reached.
+        """
+        store, trail, self.trail = self._store, self.trail, None
+        if trail is not None and self._reply is _UNREAD:
+            store._trails.settle_trail(trail)  # type: ignore[union-attr]
+        reply, self._reply = self._reply, _UNREAD
+        if reply is _UNREAD:  # never sent (or read already): the ordinary call
+            return store.claim(self.key, self._owner, self._lease_ms)
+        if isinstance(reply, StoreUnavailableError):
+            raise reply
+        if isinstance(reply, RedisError):
+            raise store._unavailable(f"claim {self.key!r}", reply) from reply
+        if isinstance(reply, BaseException):
+            raise reply
+        return _result(reply)
+
+    def discard(self) -> None:
+        """Read the reply and drop it (never raises)."""
+        trail, self.trail = self.trail, None
+        if trail is not None and self._reply is _UNREAD:
+            try:
+                self._store._trails.settle_trail(trail)  # type: ignore[union-attr]
+            except Exception:
+                logger.debug("taskdedup: a claim's reply could not be read", exc_info=True)
+        self._reply = _UNREAD
+
+
 class SentReserve:
-    """A reservation sent by :meth:`RedisStore.send_reserve` whose reply is not read yet.
+    """A reservation (or a claim) sent by :meth:`RedisStore.send_reserve` (or
+    :meth:`RedisStore.send_claim`) whose reply is not read yet.
 
     Read it once with :meth:`read`. Its connection is never handed back with a reply left
     on it: :meth:`read` consumes the reply (or drops the connection on any error), and so
     does :meth:`discard`, for a caller that no longer wants the answer.
     """
 
-    __slots__ = ("_command", "_script", "_store", "conn")
+    __slots__ = ("_action", "_args", "_script", "_store", "conn", "key")
 
-    def __init__(self, store: RedisStore, script: Script, command: tuple[Any, ...]) -> None:
+    def __init__(self, store: RedisStore, script: Script, action: str, key: str,
+                 args: tuple[str | int, ...]) -> None:
         self._store = store
         self._script = script
-        self._command = command
+        self._action = action
+        self.key = key
+        """The lock key the command is about."""
+        self._args = args
         self.conn: Any = None
         """The connection the command went out on; None once read (or when it could not be
         sent: then :meth:`read` makes the call through the client)."""
 
     def read(self) -> LockResult:
-        """The store's answer, as :meth:`RedisStore.reserve` gives it.
+        """The store's answer, as :meth:`RedisStore.reserve` (or :meth:`RedisStore.claim`)
+        gives it.
 
         A connection that broke before the reply came is dropped; the call is made again
         through the client only when the client retries that error (``retry_on_error``),
@@ -802,9 +893,7 @@ class SentReserve:
             StoreUnavailableError: the store answered an error or cannot be reached.
         """
         conn, self.conn = self.conn, None
-        store = self._store
-        _, _, _, key, owner, ttl_ms, check, fresh = self._command
-        action = "replace" if self._script is store._replace else "reserve"
+        store, key, action, args = self._store, self.key, self._action, self._args
         command = "EVALSHA"
         if conn is not None:
             try:
@@ -828,10 +917,10 @@ class SentReserve:
                 return _result(reply)
         # not sent, or a reply lost: the client's own call (EVAL on NOSCRIPT)
         if command == "EVALSHA":
-            return _result(store._eval(self._script, action, key, owner, ttl_ms, check, fresh))
+            return _result(store._eval(self._script, action, key, *args))
         try:
             reply = store.client.execute_command(  # type: ignore[no-untyped-call]
-                "EVAL", self._script.script, 1, key, owner, ttl_ms, check, fresh, **_RAW)
+                "EVAL", self._script.script, 1, key, *args, **_RAW)
         except RedisError as exc:
             raise store._unavailable(f"{action} {key!r}", exc) from exc
         return _result(reply)

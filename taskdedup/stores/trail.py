@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
 import threading
 import time
 import weakref
@@ -26,6 +25,7 @@ from typing import Any
 
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
+from ..pids import pid
 from .base import SETTLE_AFTER
 
 __all__ = ["Trails", "settle_all"]
@@ -47,7 +47,7 @@ class _Trail:
     def __init__(self) -> None:
         self.conn: Any = None
         self.lock = threading.Lock()
-        self.pid = os.getpid()
+        self.pid = pid()
         self.replies: list[tuple[Command, OnReply]] = []
         self.since = 0.0
 
@@ -70,11 +70,13 @@ class Trails:
         self._local = threading.local()
         self._open: set[_Trail] = set()  # trails owing replies, for the heartbeat thread
         self._open_lock = threading.Lock()
-        self._pid = os.getpid()
+        self._pid = pid()
         _ALL.add(self)
 
-    def send(self, command: Command, on_reply: OnReply) -> bool:
-        """Send ``command`` now and read its reply later; False when it could not be sent
+    def send(self, command: Command, on_reply: OnReply) -> _Trail | None:
+        """Send ``command`` now and read its reply later: the trail it went out on (its
+        replies are read in order, ``on_reply`` called for this one, by
+        :meth:`settle_mine` or :meth:`settle_trail`); None when it could not be sent
         (nothing of it reached the server: the caller makes the ordinary call)."""
         trail = self._mine()
         with trail.lock:
@@ -89,25 +91,32 @@ class Trails:
                 if conn is not None:
                     conn.disconnect()
                 self._settle(trail)  # what it owed is made again; the connection goes back
-                return False
+                return None
             if not trail.replies:
                 trail.since = time.monotonic()
                 with self._open_lock:
                     self._open.add(trail)
             trail.replies.append((command, on_reply))
-        return True
+        return trail
 
     def settle_mine(self) -> None:
-        """Read the replies this thread owes (they have usually arrived: no waiting)."""
+        """Read the replies this thread owes (they have usually arrived: no waiting). The
+        connection stays with this thread for its next command (no pool checkout)."""
         trail = getattr(self._local, "trail", None)
         if trail is not None and trail.replies:
             with trail.lock:
-                self._settle(trail)
+                self._settle(trail, keep=True)
+
+    def settle_trail(self, trail: _Trail) -> None:
+        """Read the replies ``trail`` (from :meth:`send`) owes, whichever thread asks."""
+        if trail.replies:
+            with trail.lock:
+                self._settle(trail, keep=trail is getattr(self._local, "trail", None))
 
     def settle_idle(self, older_than: float = SETTLE_AFTER) -> bool:
         """Read the replies owed for longer than ``older_than`` seconds by threads that are
         not using their connection now; whether any trail still owes replies."""
-        if self._pid != os.getpid():
+        if self._pid != pid():
             return False
         now = time.monotonic()
         with self._open_lock:
@@ -127,16 +136,17 @@ class Trails:
 
     def _mine(self) -> _Trail:
         trail: _Trail | None = getattr(self._local, "trail", None)
-        pid = os.getpid()
-        if trail is None or trail.pid != pid:
-            if self._pid != pid:  # a forked child: the parent's trails are not ours
-                self._pid, self._open = pid, set()
+        current = pid()
+        if trail is None or trail.pid != current:
+            if self._pid != current:  # a forked child: the parent's trails are not ours
+                self._pid, self._open = current, set()
             trail = self._local.trail = _Trail()
         return trail
 
-    def _settle(self, trail: _Trail) -> None:
+    def _settle(self, trail: _Trail, keep: bool = False) -> None:
         """Read ``trail``'s replies in order and report them; the connection goes back to
-        the pool. Caller holds ``trail.lock``."""
+        the pool, or stays on the trail (``keep``: its own thread's next command). Caller
+        holds ``trail.lock``."""
         replies, trail.replies = trail.replies, []
         with self._open_lock:
             self._open.discard(trail)
@@ -161,7 +171,10 @@ class Trails:
             except Exception as exc:
                 answers.append(exc)
         if conn is not None:
-            self._give_back(conn)
+            if keep and not broken:
+                trail.conn = conn
+            else:
+                self._give_back(conn)
         for (_, on_reply), answer in zip(replies, answers, strict=True):
             try:
                 on_reply(answer)

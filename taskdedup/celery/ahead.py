@@ -1,0 +1,194 @@
+"""The claim of a :class:`~taskdedup.celery.DedupTask` sent ahead of its body, so that its
+round trip waits together with one the worker makes anyway (SPEC §10, the worker path).
+
+A solo worker (one process, the body run inline: the common container setup) makes, per
+task, kombu's fetch, kombu's unacked record (a round trip, before Celery sees the message),
+the body's own commands, and the ack (deferred by Celery to after the body). The claim was
+one more round trip of waiting, right before the body. Two places send it earlier, on a
+connection of its own, and ``before_start`` then reads a reply that is there already:
+
+- :class:`ClaimAhead`, a consumer bootstep: on a solo pool consuming from Redis with kombu's
+  transport, the claim goes out as kombu records the message unacked, so the two round trips
+  wait together. It relies on kombu's ``QoS.append`` seam (:mod:`._compat`), checked when the
+  consumer starts; without it, the next place does.
+- :class:`DedupRequest` (``DedupTask.Request``): on any pool that runs the body in the
+  process that took the message (solo, threads, eventlet, gevent), the claim goes out when
+  the pool accepts the task, overlapping Celery's own work before ``before_start``.
+
+Under prefork the body runs in a pool process (its own connections): the claim stays there.
+Only a call that runs at once and whose message carries its lock key goes ahead (no ETA or
+countdown, no rate limit, not bypassed or marked, no debounce/coalesce generation, no
+approximate window, not ``until_executing``); anything else is claimed by ``before_start`` as
+before. The claim still runs on the server before the body starts, and never for a message
+that will wait: a lease taken ahead is taken moments before the body. A claim sent ahead
+whose body never reaches ``before_start`` (revoked or expired on arrival, a message that does
+not decode, an ack that fails) is read and, when it took the lock, released: when Celery says
+so, else when the same thread takes its next message.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from celery import bootsteps
+from celery.worker.request import Request
+
+from ..events import logger
+from ..exceptions import StoreUnavailableError
+from ..pids import pid as this_pid
+from ..policy import OnDuplicate, is_disabled
+from ..stores.base import Outcome
+from . import _compat
+from ._message import HEADER, carried_key, is_off, marked
+from .config import get_deduplicator
+
+__all__ = ["ClaimAhead", "DedupRequest", "abandon", "discard", "send_ahead", "take"]
+
+# task id -> (name, sent claim, Deduplicator, sending thread), on its way to its body
+_ahead: dict[str, Any] = {}
+_lock = threading.Lock()
+
+
+class DedupRequest(Request):  # type: ignore[misc]
+    """Celery's ``Request``, with the claim sent when the pool accepts the task, if the body
+    runs in this process and it was not sent already (see the module)."""
+
+    def on_accepted(self, pid: int, time_accepted: float) -> None:
+        """Send the claim ahead when the body runs in this process, then Celery's own
+        ``on_accepted``; an error there gives the claim back."""
+        sent = pid == this_pid() and send_ahead(
+            self.task, self.id, getattr(self, "request_dict", None) or {})
+        try:
+            super().on_accepted(pid, time_accepted)
+        except BaseException:
+            if sent:
+                abandon(self.id)
+            raise
+
+    def on_failure(self, exc_info: Any, send_failed_event: bool = True,
+                   return_ok: bool = False) -> None:
+        """Celery's ``on_failure``; a claim sent ahead that the body never read (the
+        message did not decode) is given back first."""
+        abandon(self.id)
+        super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
+
+
+class ClaimAhead(bootsteps.StartStopStep):  # type: ignore[misc]
+    """Consumer bootstep: on a solo pool with kombu's Redis transport, send each gated
+    call's claim as kombu records its message unacked (see the module). Runs at every
+    consumer (re)start, as the channel is made anew."""
+
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+
+    def start(self, c: Any) -> None:
+        hub = getattr(c, "hub", None)
+        if type(c.pool).__module__ != "celery.concurrency.solo" or hub is None:
+            return
+        app, tasks = c.app, c.app.tasks
+
+        def before_append(message: Any) -> None:
+            headers = getattr(message, "headers", None)
+            if not isinstance(headers, Mapping) or headers.get("eta"):
+                return
+            task = tasks.get(headers.get("task"))
+            if task is None or task.app is not app or (
+                    getattr(task, "rate_limit", None) and not c.disable_rate_limits):
+                return
+            task_id = headers.get("id")
+            if send_ahead(task, task_id, headers):
+                # Celery handles the message (the solo pool: its body too) before the loop's
+                # next turn; a claim still unread then had no body (revoked or expired on
+                # arrival, a message that does not decode): give it back
+                hub.call_soon(abandon, task_id)
+
+        channel = getattr(getattr(c, "task_consumer", None), "channel", None)
+        missing = _compat.wrap_qos_append(channel, before_append)
+        if missing:
+            logger.debug("taskdedup: the claim goes out when the pool accepts the task "
+                         "(%s)", missing)
+
+
+def send_ahead(task: Any, task_id: Any, fields: Mapping[str, Any]) -> bool:
+    """Send the claim of ``task``'s call ``task_id`` now, if it can go ahead (``fields``:
+    the message headers, or the request's fields, holding the ``taskdedup`` header);
+    whether it went."""
+    try:
+        policy = getattr(task, "_dedup_policy", None)
+        if policy is None or not isinstance(task_id, str) or not task_id or is_disabled():
+            return False
+        name = task.name
+        raw = fields.get(HEADER)
+        carried = carried_key(raw, name)
+        if (carried is None or is_off(raw, name) or marked(raw, name) is not None
+                or policy.debounce is not None or policy.on_duplicate is OnDuplicate.COALESCE):
+            return False
+        dedup = get_deduplicator(task.app)
+        key = dedup.trusted_key(name, policy, carried)
+        if key is None:
+            return False
+        thread = threading.get_ident()
+        with _lock:
+            if task_id in _ahead:  # sent already, or another copy of this id on its way
+                return False
+            # a claim this thread sent for a body that never came (Celery ended the message
+            # before its tracer): this thread takes one message at a time, so it is over
+            left = [tid for tid, entry in _ahead.items() if entry and entry[3] == thread]
+            _ahead[task_id] = None
+        for tid in left:
+            abandon(tid)
+        sent = dedup.send_start(policy, key, task_id)
+    except Exception:  # anything odd: before_start claims as before, and says what is wrong
+        logger.debug("taskdedup: the claim of %s was not sent ahead", task_id, exc_info=True)
+        with _lock:
+            if isinstance(task_id, str) and task_id in _ahead and _ahead[task_id] is None:
+                del _ahead[task_id]
+        return False
+    with _lock:
+        if sent is None:
+            del _ahead[task_id]
+            return False
+        _ahead[task_id] = (name, sent, dedup, thread)
+    return True
+
+
+def take(task_id: str) -> tuple[str, Any, Any, int] | None:
+    """``(name, sent claim, deduplicator, thread)`` sent ahead for ``task_id``, taken out
+    (None when there is none)."""
+    if not _ahead:
+        return None
+    with _lock:
+        entry = _ahead.get(task_id)
+        if entry:  # not a claim another thread is sending right now
+            del _ahead[task_id]
+    return entry or None
+
+
+def abandon(task_id: str | None, taken: tuple[str, Any, Any, int] | None = None) -> None:
+    """Read a claim sent ahead that will not guard a body (the one kept for ``task_id``, or
+    ``taken``, from :func:`take`), and release the lock when it took it: it never holds a
+    lock for a body that does not run. Never raises."""
+    if taken is None:
+        taken = take(task_id) if task_id else None
+        if taken is None:
+            return
+    name, sent, dedup, _ = taken
+    try:
+        result = sent.read()
+    except StoreUnavailableError:  # nothing taken that we know of: it lapses with its lease
+        return
+    except Exception:
+        logger.debug("taskdedup: the claim sent ahead for %s could not be read", task_id,
+                     exc_info=True)
+        return
+    if result.outcome is Outcome.ACQUIRED and task_id:
+        dedup.release(name, sent.key, task_id, reason="stopped")
+
+
+def discard(task_id: str | None) -> None:
+    """Read and drop the reply of a claim sent ahead for ``task_id``, whose lock the caller
+    releases itself (a revoked call)."""
+    taken = take(task_id) if task_id else None
+    if taken is not None:
+        taken[1].discard()

@@ -1,0 +1,153 @@
+"""A real solo-pool Celery worker: the claim goes out before the ack (``DedupRequest``), and
+every verdict it can bring still guards the body.
+
+Messages are published to a staging queue no worker reads, prepared (a lock set by hand, a
+body spoilt), then moved to the worker's queue in one ``RENAME``.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from taskdedup.testing import wait_for
+from tests.effects import recorded, released
+from tests.workers import CeleryWorker
+
+pytestmark = pytest.mark.slow
+
+QUEUE = "it-solo"
+STAGE = "it-solo-stage"
+
+
+@pytest.fixture(scope="module")
+def worker(redis_url: str) -> Iterator[CeleryWorker]:
+    yield from CeleryWorker(redis_url, queue=QUEUE, concurrency=1, pool="solo").running()
+
+
+@pytest.fixture(scope="module")
+def capp(redis_url: str, worker: CeleryWorker) -> Any:
+    from tests import celery_app
+
+    celery_app.configure(redis_url, worker.queue)
+    return celery_app
+
+
+@pytest.fixture
+def rc(redis_url: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url)
+    client.delete(STAGE)
+    yield client
+    client.delete(STAGE)
+
+
+def label() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def staged(capp: Any, rc: redis.Redis, task: Any, *args: Any) -> tuple[str, str]:
+    """Publish ``task(*args)`` to the staging queue: ``(task id, lock key)``."""
+    result = task.apply_async(args, queue=STAGE)
+    assert rc.lindex(STAGE, -1) is not None
+    return result.id, capp.lock_key(task, *args)
+
+
+def deliver(rc: redis.Redis) -> None:
+    rc.rename(STAGE, QUEUE)
+
+
+class Monitor:
+    """The server's MONITOR stream, in a thread, while the block runs."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
+        self.lines: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with self.client.monitor() as monitor:
+            self._ready.set()
+            while not self._stop.is_set():
+                self.lines.append(monitor.next_command()["command"])
+
+    def __enter__(self) -> Monitor:
+        self._ready = threading.Event()
+        self._thread.start()
+        assert self._ready.wait(10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self.client.ping()  # one more command, so the thread sees the flag
+        self._thread.join(10)
+
+
+def test_the_claim_goes_out_as_kombu_records_the_message_and_guards_the_body(
+    capp: Any, rc: redis.Redis, redis_url: str,
+) -> None:
+    """Each claim reaches the server before kombu's unacked record of its message, whose
+    reply the worker waits for before Celery sees the message (``ClaimAhead``): the two
+    round trips wait together. Without it the claim came after the record (``before_start``)."""
+    from taskdedup.celery import get_deduplicator
+
+    claim_sha = get_deduplicator(capp.app).store._claim.sha
+    names = [label() for _ in range(3)]
+    calls = [staged(capp, rc, capp.record_until_executed, name) for name in names]
+    assert rc.llen(STAGE) == len(names)
+    with Monitor(redis.Redis.from_url(redis_url)) as monitor:
+        deliver(rc)
+        for name, (_, key) in zip(names, calls, strict=True):
+            wait_for(lambda name=name: recorded(rc, name), timeout=30, what="the body ran")
+            wait_for(lambda key=key: released(rc, key), timeout=30, what="the lock completed")
+    lines = monitor.lines
+    for name, (task_id, _) in zip(names, calls, strict=True):
+        claim = next(i for i, line in enumerate(lines)
+                     if line.startswith(f"EVALSHA {claim_sha}") and task_id in line)
+        record = next(i for i, line in enumerate(lines)
+                      if line.startswith("HSET unacked ") and task_id in line)
+        assert claim < record, lines[record - 3:claim + 2]
+        assert recorded(rc, name) == ["0"]
+
+
+def test_a_claim_sent_ahead_that_finds_another_holder_skips_the_body(
+    capp: Any, rc: redis.Redis,
+) -> None:
+    name = label()
+    task_id, key = staged(capp, rc, capp.record_until_executed, name)
+    ttl = rc.pttl(key)
+    rc.set(key, "R||other-holder", px=ttl)  # another execution runs this identity now
+    deliver(rc)
+    result = capp.app.AsyncResult(task_id).get(timeout=30)
+    assert result["taskdedup"] == "skipped duplicate"
+    assert result["existing_id"] == "other-holder"
+    assert recorded(rc, name) == []
+    assert rc.get(key) == b"R||other-holder"  # never touched
+
+
+def test_a_claim_sent_ahead_for_a_body_that_never_runs_gives_the_lock_back(
+    capp: Any, rc: redis.Redis, worker: CeleryWorker,
+) -> None:
+    """A message whose body does not decode fails before ``before_start``: the claim sent
+    ahead had turned the lock to running; it is released, not left for its lease."""
+    name = label()
+    task_id, key = staged(capp, rc, capp.record_until_executed, name)
+    message = json.loads(rc.lindex(STAGE, 0))
+    message["body"] = base64.b64encode(b"{not json").decode()
+    rc.lset(STAGE, 0, json.dumps(message))
+    deliver(rc)
+    wait_for(lambda: task_id in worker.output(), timeout=30, what="the worker took it")
+    wait_for(lambda: not (rc.get(key) or b"").startswith(b"R|"), timeout=10,
+             what="the lock no longer running")
+    # and the worker still runs the next call, guarded
+    after = label()
+    assert capp.record_until_executed.delay(after).get(timeout=30) == after
+    assert recorded(rc, after) == ["0"]
+    assert recorded(rc, name) == []
