@@ -438,7 +438,7 @@ class RedisStore:
         sent = SentClaim(self, key, owner, lease_ms)
         sent.trail = self._trails.send(("EVALSHA", self._claim.sha, 1, key, owner, lease_ms),
                                        sent.reply)
-        return sent
+        return sent  # not sent (trail None): read() makes the ordinary call
 
     def _send(self, script: Script, action: str, key: str, *args: str | int) -> SentReserve:
         """``EVALSHA script 1 key *args`` written on a lent connection, its reply unread."""
@@ -490,6 +490,12 @@ class RedisStore:
         check_owner(owner)
         check_ms("lease_ms", lease_ms)
         if self._trails is not None:
+            if window is None:  # on the completions' connection, behind them: one read
+                sent = SentClaim(self, key, owner, lease_ms)
+                sent.trail = self._trails.send(
+                    ("EVALSHA", self._claim.sha, 1, key, owner, lease_ms), sent.reply)
+                if sent.trail is not None:
+                    return sent.read()
             self._trails.settle_mine()  # the last completion's reply, arrived meanwhile
         return _result(self._eval_window(self._claim, "claim", key, window, owner, lease_ms))
 
@@ -831,11 +837,13 @@ class SentClaim:
             StoreUnavailableError: the store answered an error or cannot be reached.
         """
         store, trail, self.trail = self._store, self.trail, None
+        if trail is None and self._reply is _UNREAD:  # never sent: the ordinary call
+            return store.claim(self.key, self._owner, self._lease_ms)
         if trail is not None and self._reply is _UNREAD:
             store._trails.settle_trail(trail)  # type: ignore[union-attr]
         reply, self._reply = self._reply, _UNREAD
-        if reply is _UNREAD:  # never sent (or read already): the ordinary call
-            return store.claim(self.key, self._owner, self._lease_ms)
+        if reply is _UNREAD:  # cannot be: a second claim would answer as a copy of this one
+            raise StoreUnavailableError(f"claim {self.key!r}: its reply was not read")
         if isinstance(reply, StoreUnavailableError):
             raise reply
         if isinstance(reply, RedisError):

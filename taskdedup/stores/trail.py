@@ -109,8 +109,8 @@ class Trails:
 
     def settle_trail(self, trail: _Trail) -> None:
         """Read the replies ``trail`` (from :meth:`send`) owes, whichever thread asks."""
-        if trail.replies:
-            with trail.lock:
+        with trail.lock:  # always: a settle in progress elsewhere ends before this returns
+            if trail.replies:
                 self._settle(trail, keep=trail is getattr(self._local, "trail", None))
 
     def settle_idle(self, older_than: float = SETTLE_AFTER) -> bool:
