@@ -50,7 +50,9 @@ def test_cluster_keeps_each_lock_with_its_slices_and_spreads_a_task_over_slots(
         assert (again.verdict, again.existing_id) == (Verdict.DUPLICATE, None)
     slices = [k.decode() for k in cluster_client.scan_iter(
         match=f"taskdedup:bloom:{name}:{{*", target_nodes=RedisCluster.ALL_NODES)]
-    assert len(slices) == 16  # one current slice per partition
+    # one current slice per partition (two where the loop crossed a slice's end)
+    tags = {k[k.index("{"): k.index("}") + 1] for k in slices}
+    assert len(tags) == 16 and len(slices) <= 32, slices
     slots = {cluster_client.keyslot(k) for k in slices}
     assert len(slots) == 16
     nodes = {cluster_client.get_node_from_key(k).name for k in slices}

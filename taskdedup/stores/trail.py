@@ -100,18 +100,17 @@ class Trails:
         return trail
 
     def settle_mine(self) -> None:
-        """Read the replies this thread owes (they have usually arrived: no waiting). The
-        connection stays with this thread for its next command (no pool checkout)."""
+        """Read the replies this thread owes (they have usually arrived: no waiting)."""
         trail = getattr(self._local, "trail", None)
         if trail is not None and trail.replies:
             with trail.lock:
-                self._settle(trail, keep=True)
+                self._settle(trail)
 
     def settle_trail(self, trail: _Trail) -> None:
         """Read the replies ``trail`` (from :meth:`send`) owes, whichever thread asks."""
         with trail.lock:  # always: a settle in progress elsewhere ends before this returns
             if trail.replies:
-                self._settle(trail, keep=trail is getattr(self._local, "trail", None))
+                self._settle(trail)
 
     def settle_idle(self, older_than: float = SETTLE_AFTER) -> bool:
         """Read the replies owed for longer than ``older_than`` seconds by threads that are
@@ -143,10 +142,10 @@ class Trails:
             trail = self._local.trail = _Trail()
         return trail
 
-    def _settle(self, trail: _Trail, keep: bool = False) -> None:
+    def _settle(self, trail: _Trail) -> None:
         """Read ``trail``'s replies in order and report them; the connection goes back to
-        the pool, or stays on the trail (``keep``: its own thread's next command). Caller
-        holds ``trail.lock``."""
+        the pool (a work-horse's next commands use it: no connection of its own per job).
+        Caller holds ``trail.lock``."""
         replies, trail.replies = trail.replies, []
         with self._open_lock:
             self._open.discard(trail)
@@ -171,10 +170,7 @@ class Trails:
             except Exception as exc:
                 answers.append(exc)
         if conn is not None:
-            if keep and not broken:
-                trail.conn = conn
-            else:
-                self._give_back(conn)
+            self._give_back(conn)
         for (_, on_reply), answer in zip(replies, answers, strict=True):
             try:
                 on_reply(answer)
