@@ -43,11 +43,11 @@ class Sizes:
     publish: int = 700            # Celery apply_async per variant per run
     enqueue: int = 600            # RQ enqueue per variant per run
     count_ops: int = 100          # calls per round-trip counting segment
-    celery_tasks: int = 600       # tasks per end-to-end Celery run
-    celery_runs: int = 3
-    rq_fork_jobs: int = 100       # jobs per end-to-end RQ Worker (fork per job) run
+    celery_tasks: int = 2000      # tasks per end-to-end Celery run (600 was ±0.15 run to run)
+    celery_runs: int = 5
+    rq_fork_jobs: int = 200       # jobs per end-to-end RQ Worker (fork per job) run
     rq_simple_jobs: int = 500     # jobs per end-to-end RQ SimpleWorker run
-    rq_runs: int = 3
+    rq_runs: int = 5
     bulk: int = 50_000            # identities per reserve_many run (5 pipeline chunks)
     memory_keys: int = 1_000_000  # keys per memory layout
     fingerprint: int = 20_000     # fingerprint() calls per run
