@@ -414,6 +414,18 @@ class Deduplicator:
             self.check_store()
         return send(key, owner, policy.lease_ms)
 
+    def claim_to_carry(self, policy: Policy, key: str, owner: str) -> Any | None:
+        """The claim of :meth:`start` as a command for the integration to carry in a
+        transaction it sends anyway to the same server and database (Celery on a solo
+        worker: kombu's unacked record), read by ``start(..., sent=...)``. None as for
+        :meth:`send_start`."""
+        make = getattr(self.store, "claim_to_carry", None)
+        if make is None or policy.window is not None or policy.mode is Mode.UNTIL_EXECUTING:
+            return None
+        if not self._store_checked:
+            self.check_store()
+        return make(key, owner, policy.lease_ms)
+
     def start(self, name: str, policy: Policy, key: str, owner: str, *,
               sent: Any = None) -> StartResult:
         """Guard a body about to run: claim the running lock and start its heartbeat.

@@ -93,9 +93,10 @@ class Monitor:
 def test_the_claim_goes_out_as_kombu_records_the_message_and_guards_the_body(
     capp: Any, rc: redis.Redis, redis_url: str,
 ) -> None:
-    """Each claim reaches the server before kombu's unacked record of its message, whose
-    reply the worker waits for before Celery sees the message (``ClaimAhead``): the two
-    round trips wait together. Without it the claim came after the record (``before_start``)."""
+    """Each claim rides in kombu's unacked record of its message, the ``MULTI`` whose reply
+    the worker waits for before Celery sees the message (``ClaimAhead``; the locks are in the
+    broker's database): no round trip of its own. Without it the claim came after the record
+    (``before_start``)."""
     from taskdedup.celery import get_deduplicator
 
     claim_sha = get_deduplicator(capp.app).store._claim.sha
@@ -114,6 +115,9 @@ def test_the_claim_goes_out_as_kombu_records_the_message_and_guards_the_body(
         record = next(i for i, line in enumerate(lines)
                       if line.startswith("HSET unacked ") and task_id in line)
         assert claim < record, lines[record - 3:claim + 2]
+        # the locks are in the broker's database: the claim rides in kombu's MULTI
+        assert lines[claim - 1] == "MULTI", lines[claim - 2:record + 2]
+        assert "EXEC" not in lines[claim:record], lines[claim - 1:record + 2]
         assert recorded(rc, name) == ["0"]
 
 

@@ -84,8 +84,9 @@ def exercise(store: Any, key: str) -> int:
 # -- Cluster -----------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[list[RedisServer]]:
+def _form_cluster(timeout: float) -> list[RedisServer]:
+    """Three masters with the slots split between them, formed (or TimeoutError, the nodes'
+    CLUSTER INFO in the message; the servers are cleaned up)."""
     bus_ports = [free_port() for _ in range(3)]  # not port + 10000: it may exceed 65535
     servers = [
         RedisServer(extra_args=[
@@ -103,18 +104,38 @@ def cluster() -> Iterator[list[RedisServer]]:
             client.execute_command("CLUSTER", "ADDSLOTSRANGE", low, high)
         for server, bus in zip(servers[1:], bus_ports[1:], strict=True):
             clients[0].execute_command("CLUSTER", "MEET", "127.0.0.1", server.port, bus)
+        infos: list[str] = []
 
         def formed() -> bool:
+            infos[:] = []
             for client in clients:
                 info = client.execute_command("CLUSTER", "INFO")
-                text = info.decode() if isinstance(info, bytes) else str(info)
-                if "cluster_state:ok" not in text or "cluster_known_nodes:3" not in text:
-                    return False
-            return True
+                infos.append(info.decode() if isinstance(info, bytes) else str(info))
+            return all("cluster_state:ok" in text and "cluster_known_nodes:3" in text
+                       for text in infos)
 
-        wait_for(formed, timeout=30, what="cluster of three masters formed")
+        try:
+            wait_for(formed, timeout=timeout, what="cluster of three masters formed")
+        except TimeoutError as exc:
+            states = [" ".join(line for line in text.split() if line.startswith(
+                ("cluster_state", "cluster_known_nodes"))) for text in infos]
+            raise TimeoutError(f"{exc}: {states}") from None
         for client in clients:
             client.close()
+        return servers
+    except BaseException:
+        for server in servers:
+            server.cleanup()
+        raise
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[list[RedisServer]]:
+    try:
+        servers = _form_cluster(timeout=45)
+    except TimeoutError:  # a bus port taken between free_port() and the bind: once more
+        servers = _form_cluster(timeout=45)
+    try:
         yield servers
     finally:
         for server in servers:

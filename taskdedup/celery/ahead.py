@@ -87,70 +87,80 @@ class ClaimAhead(bootsteps.StartStopStep):  # type: ignore[misc]
         if type(c.pool).__module__ != "celery.concurrency.solo" or hub is None:
             return
         app, tasks = c.app, c.app.tasks
+        channel = getattr(getattr(c, "task_consumer", None), "channel", None)
+        store = getattr(get_deduplicator(app), "store", None)
+        carry = store is not None and _compat.same_database(channel, getattr(store, "client", None))
 
-        def before_append(message: Any) -> None:
+        def before_append(message: Any) -> Any:
             headers = getattr(message, "headers", None)
             if not isinstance(headers, Mapping) or headers.get("eta"):
-                return
+                return None
             task = tasks.get(headers.get("task"))
             if task is None or task.app is not app or (
                     getattr(task, "rate_limit", None) and not c.disable_rate_limits):
-                return
+                return None
             task_id = headers.get("id")
-            if send_ahead(task, task_id, headers):
-                # Celery handles the message (the solo pool: its body too) before the loop's
-                # next turn; a claim still unread then had no body (revoked or expired on
-                # arrival, a message that does not decode): give it back
-                hub.call_soon(abandon, task_id)
+            sent = send_ahead(task, task_id, headers, carry=carry)
+            if sent is None:
+                return None
+            # Celery handles the message (the solo pool: its body too) before the loop's next
+            # turn; a claim still unread then had no body (revoked or expired on arrival, a
+            # message that does not decode): give it back
+            hub.call_soon(abandon, task_id)
+            return sent if carry else None  # carried in kombu's MULTI, or sent already
 
-        channel = getattr(getattr(c, "task_consumer", None), "channel", None)
         missing = _compat.wrap_qos_append(channel, before_append)
         if missing:
             logger.debug("taskdedup: the claim goes out when the pool accepts the task "
                          "(%s)", missing)
 
 
-def send_ahead(task: Any, task_id: Any, fields: Mapping[str, Any]) -> bool:
+def send_ahead(task: Any, task_id: Any, fields: Mapping[str, Any], *,
+               carry: bool = False) -> Any | None:
     """Send the claim of ``task``'s call ``task_id`` now, if it can go ahead (``fields``:
-    the message headers, or the request's fields, holding the ``taskdedup`` header);
-    whether it went."""
+    the message headers, or the request's fields, holding the ``taskdedup`` header): the
+    claim sent, or None. ``carry``: not sent but made for the caller to carry in kombu's
+    own transaction (``claim_to_carry``; the locks are in the broker's database)."""
     try:
         policy = getattr(task, "_dedup_policy", None)
         if policy is None or not isinstance(task_id, str) or not task_id or is_disabled():
-            return False
+            return None
         name = task.name
         raw = fields.get(HEADER)
         carried = carried_key(raw, name)
         if (carried is None or is_off(raw, name) or marked(raw, name) is not None
                 or policy.debounce is not None or policy.on_duplicate is OnDuplicate.COALESCE):
-            return False
+            return None
         dedup = get_deduplicator(task.app)
         key = dedup.trusted_key(name, policy, carried)
         if key is None:
-            return False
+            return None
         thread = threading.get_ident()
         with _lock:
             if task_id in _ahead:  # sent already, or another copy of this id on its way
-                return False
+                return None
             # a claim this thread sent for a body that never came (Celery ended the message
             # before its tracer): this thread takes one message at a time, so it is over
             left = [tid for tid, entry in _ahead.items() if entry and entry[3] == thread]
             _ahead[task_id] = None
         for tid in left:
             abandon(tid)
-        sent = dedup.send_start(policy, key, task_id)
+        if carry:
+            sent = dedup.claim_to_carry(policy, key, task_id)
+        else:
+            sent = dedup.send_start(policy, key, task_id)
     except Exception:  # anything odd: before_start claims as before, and says what is wrong
         logger.debug("taskdedup: the claim of %s was not sent ahead", task_id, exc_info=True)
         with _lock:
             if isinstance(task_id, str) and task_id in _ahead and _ahead[task_id] is None:
                 del _ahead[task_id]
-        return False
+        return None
     with _lock:
         if sent is None:
             del _ahead[task_id]
-            return False
+            return None
         _ahead[task_id] = (name, sent, dedup, thread)
-    return True
+    return sent
 
 
 def take(task_id: str) -> tuple[str, Any, Any, int] | None:
