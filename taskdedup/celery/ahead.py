@@ -145,10 +145,7 @@ def send_ahead(task: Any, task_id: Any, fields: Mapping[str, Any], *,
             _ahead[task_id] = None
         for tid in left:
             abandon(tid)
-        if carry:
-            sent = dedup.claim_to_carry(policy, key, task_id)
-        else:
-            sent = dedup.send_start(policy, key, task_id)
+        sent = dedup.send_start(policy, key, task_id, carry=carry)
     except Exception:  # anything odd: before_start claims as before, and says what is wrong
         logger.debug("taskdedup: the claim of %s was not sent ahead", task_id, exc_info=True)
         with _lock:
