@@ -1,5 +1,5 @@
-"""A real solo-pool Celery worker: the claim goes out before the ack (``DedupRequest``), and
-every verdict it can bring still guards the body.
+"""Real solo-pool (and threads-pool) Celery workers: the claim goes out ahead of the body
+(``taskdedup.celery.ahead``), and every verdict it can bring still guards the body.
 
 Messages are published to a staging queue no worker reads, prepared (a lock set by hand, a
 body spoilt), then moved to the worker's queue in one ``RENAME``.
@@ -155,3 +155,61 @@ def test_a_claim_sent_ahead_for_a_body_that_never_runs_gives_the_lock_back(
     assert capp.record_until_executed.delay(after).get(timeout=30) == after
     assert recorded(rc, after) == ["0"]
     assert recorded(rc, name) == []
+
+
+@pytest.fixture
+def apart_worker(redis_url: str, capp: Any) -> Iterator[CeleryWorker]:
+    """A solo worker whose locks are in another database than its broker's."""
+    lock_url = redis_url.rsplit("/", 1)[0] + "/1"
+    yield from CeleryWorker(redis_url, queue=f"{QUEUE}-apart", concurrency=1, pool="solo",
+                            env={"TASKDEDUP_TEST_LOCK_URL": lock_url}).running()
+
+
+def test_with_the_locks_apart_the_claim_goes_out_before_the_record_on_its_own(
+    capp: Any, rc: redis.Redis, redis_url: str, apart_worker: CeleryWorker,
+) -> None:
+    """Locks in another database: the claim cannot ride in kombu's MULTI; it is sent on a
+    connection of its own just before it, and still guards the body."""
+    from taskdedup.celery import get_deduplicator
+
+    claim_sha = get_deduplicator(capp.app).store._claim.sha
+    locks = redis.Redis.from_url(redis_url.rsplit("/", 1)[0] + "/1")
+    name = label()
+    task_id, key = staged(capp, rc, capp.record_until_executed, name)
+    with Monitor(redis.Redis.from_url(redis_url)) as monitor:
+        rc.rename(STAGE, apart_worker.queue)
+        assert capp.app.AsyncResult(task_id).get(timeout=30) == name
+        wait_for(lambda: released(locks, key), timeout=30, what="the lock completed")
+    lines = monitor.lines
+    claim = next(i for i, line in enumerate(lines)
+                 if line.startswith(f"EVALSHA {claim_sha}") and task_id in line)
+    record = next(i for i, line in enumerate(lines)
+                  if line.startswith("HSET unacked ") and task_id in line)
+    assert claim < record, lines[claim - 2:record + 2]
+    assert lines[claim - 1] != "MULTI", lines[claim - 2:record + 2]
+    assert recorded(rc, name) == ["0"]
+
+
+def test_a_threads_pool_worker_guards_each_body(
+    capp: Any, rc: redis.Redis, redis_url: str,
+) -> None:
+    """A threads pool (its claims sent as the pool accepts each task: ``DedupRequest``): a
+    call that finds another holder is skipped, the others run once each."""
+    queue = f"{QUEUE}-threads"
+    names = [label() for _ in range(4)]
+    calls = [staged(capp, rc, capp.record_until_executed, name) for name in names]
+    held_id, held_key = calls[0]
+    rc.set(held_key, "R||other-holder", px=rc.pttl(held_key))
+    worker = CeleryWorker(redis_url, queue=queue, concurrency=2, pool="threads").start()
+    try:
+        rc.rename(STAGE, worker.queue)
+        skipped = capp.app.AsyncResult(held_id).get(timeout=30)
+        assert skipped["existing_id"] == "other-holder"
+        for name, (task_id, key) in zip(names[1:], calls[1:], strict=True):
+            assert capp.app.AsyncResult(task_id).get(timeout=30) == name
+            wait_for(lambda key=key: released(rc, key), timeout=30, what="completed")
+            assert recorded(rc, name) == ["0"]
+    finally:
+        worker.stop()
+    assert recorded(rc, names[0]) == []
+    assert rc.get(held_key) == b"R||other-holder"
