@@ -143,3 +143,20 @@ def test_a_user_without_script_load_completes_at_once_and_stops_trying(
         assert store._trails is None
     finally:
         redis_client.acl_deluser(user)
+
+
+def test_a_claim_behind_a_completion_is_read_with_it_and_made_again_after_a_flush(
+    dedup: Deduplicator, redis_client: redis.Redis
+) -> None:
+    """The claim goes out on the connection that owes the completion's reply, and its read
+    reads that reply too; after a flushed script cache the claim comes back NOSCRIPT and is
+    made again with EVAL, as a claim."""
+    store = dedup.store
+    assert isinstance(store, RedisStore)
+    key, owner = _run_body(dedup, uuid.uuid4().hex)
+    dedup.finish(NAME, POLICY, key, owner, success=True, later=True)
+    redis_client.script_flush()
+    key2, owner2 = _run_body(dedup, uuid.uuid4().hex)  # claim: NOSCRIPT, made again
+    assert not store.settle(older_than=60.0)  # the claim read the completion's reply too
+    assert redis_client.get(key2) == f"R||{owner2}".encode()
+    assert redis_client.get(key) == f"D||{owner}".encode()

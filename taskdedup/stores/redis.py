@@ -345,11 +345,13 @@ class RedisStore:
             raise self._unavailable(f"{action} {key!r}", exc) from exc
 
     def _redo(self, command: tuple[Any, ...]) -> Any:
-        """An ``EVALSHA`` sent by :meth:`complete_later` made again as an ordinary call."""
+        """An ``EVALSHA`` sent on a trail (:meth:`complete_later`, a claim) made again as an
+        ordinary call."""
         _, sha, _, key, *args = command
-        script = next(s for s in self._scripts.values() if s.sha == sha)
-        self._complete_loaded = False  # NOSCRIPT, or a new connection: load it again first
-        return self._eval(script, "complete", key, *args)
+        name = next(name for name, s in self._scripts.items() if s.sha == sha)
+        if name == "complete":
+            self._complete_loaded = False  # NOSCRIPT, or a new connection: load it first
+        return self._eval(self._scripts[name], name, key, *args)
 
     def _eval_window(self, script: Script, action: str, key: str, window: Probe | None,
                      *args: str | int) -> Any:
