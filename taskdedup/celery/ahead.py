@@ -88,7 +88,12 @@ class ClaimAhead(bootsteps.StartStopStep):  # type: ignore[misc]
             return
         app, tasks = c.app, c.app.tasks
         channel = getattr(getattr(c, "task_consumer", None), "channel", None)
-        store = getattr(get_deduplicator(app), "store", None)
+        try:
+            store = getattr(get_deduplicator(app), "store", None)
+        except Exception:  # a misconfigured store: the first claim says so, as before
+            logger.debug("taskdedup: no claim ahead (the store is not configured)",
+                         exc_info=True)
+            return
         carry = store is not None and _compat.same_database(channel, getattr(store, "client", None))
 
         def before_append(message: Any) -> Any:
