@@ -401,21 +401,18 @@ class Deduplicator:
 
     # -- worker ---------------------------------------------------------------------------
 
-    def send_start(self, policy: Policy, key: str, owner: str, *,
-                   carry: bool = False) -> Any | None:
+    def send_start(self, policy: Policy, key: str, owner: str) -> Any | None:
         """The claim of :meth:`start`, sent now and read by ``start(..., sent=...)``: an
         integration with a round trip of its own to make first (kombu's unacked record)
-        sends the claim before it, so both wait on the server together. ``carry``: not sent,
-        but made for the integration to carry in that very transaction (``command``, then
-        ``reply(...)``), when it goes to the same server and database. None when it cannot
-        go ahead (a store without ``send_claim``/``claim_to_carry``, ``until_executing``, an
-        approximate window): then ``start`` claims as usual."""
-        make = getattr(self.store, "claim_to_carry" if carry else "send_claim", None)
-        if make is None or policy.window is not None or policy.mode is Mode.UNTIL_EXECUTING:
+        sends the claim before it, so both wait on the server together. None when it cannot
+        go ahead (a store without ``send_claim``, ``until_executing``, an approximate
+        window): then ``start`` claims as usual."""
+        send = getattr(self.store, "send_claim", None)
+        if send is None or policy.window is not None or policy.mode is Mode.UNTIL_EXECUTING:
             return None
         if not self._store_checked:
             self.check_store()
-        return make(key, owner, policy.lease_ms)
+        return send(key, owner, policy.lease_ms)
 
     def start(self, name: str, policy: Policy, key: str, owner: str, *,
               sent: Any = None) -> StartResult:

@@ -48,8 +48,7 @@ from __future__ import annotations
 
 import inspect
 import time
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from kombu.transport import redis as kombu_redis
@@ -420,13 +419,11 @@ def after_poll_reply(channel: Any) -> None:
 # -- the claim sent ahead (the consuming side) ------------------------------------------------
 
 
-def wrap_qos_append(channel: Any, before: Callable[[Any], Any]) -> str | None:
+def wrap_qos_append(channel: Any, before: Callable[[Any], None]) -> str | None:
     """Have ``before(message)`` called as kombu's Redis ``QoS.append`` records a received
-    message unacked (its round trip), on this one channel (:class:`~.ahead.ClaimAhead`).
-    ``before`` may return a command to carry (an object with ``command`` and ``reply``): it
-    goes in the very ``MULTI`` kombu sends, and its reply, or the error, goes to
-    ``reply``. ``before`` must not block; its errors are logged, never raised. None when
-    done (or done already), else what is missing: the claim then goes out later, as before."""
+    message unacked (its round trip), on this one channel (:class:`~.ahead.ClaimAhead`);
+    ``before`` must not block, and its errors are logged, never raised. None when done (or
+    done already), else what is missing: the claim then goes out later, as before."""
     qos = getattr(channel, "qos", None) if channel is not None else None
     if not isinstance(qos, kombu_redis.QoS):
         return "the worker does not consume from Redis through kombu's QoS"
@@ -435,73 +432,14 @@ def wrap_qos_append(channel: Any, before: Callable[[Any], Any]) -> str | None:
         return None
     if not callable(append) or "delivery_tag" not in inspect.signature(append).parameters:
         return "kombu's QoS.append is not append(message, delivery_tag)"
-    pipe_or_acquire = getattr(qos, "pipe_or_acquire", None)
-    carry = callable(pipe_or_acquire)
-    carried: list[Any] = []  # the command for the pipeline append is about to take
 
     def wrapped(message: Any, delivery_tag: Any) -> Any:
         try:
-            rider = before(message)
+            before(message)
         except Exception:
             logger.debug("taskdedup: could not send a claim ahead", exc_info=True)
-            rider = None
-        if rider is None:
-            return append(message, delivery_tag)
-        carried[:] = [rider]
-        try:
-            return append(message, delivery_tag)
-        finally:
-            carried.clear()  # not taken (not expected): its read() makes the claim
-
-    @contextmanager
-    def riding(pipe: Any = None, client: Any = None) -> Iterator[Any]:
-        rider = carried.pop() if carried else None
-        with pipe_or_acquire(pipe, client) as inner:  # type: ignore[misc]
-            if rider is not None:
-                _carry(inner, rider)
-            yield inner
+        return append(message, delivery_tag)
 
     wrapped.taskdedup_ahead = True  # type: ignore[attr-defined]
     qos.append = wrapped  # type: ignore[method-assign]
-    if carry:
-        qos.pipe_or_acquire = riding  # type: ignore[method-assign]
     return None
-
-
-def _carry(pipe: Any, rider: Any) -> None:
-    """Queue ``rider.command`` first in kombu's pipeline; its ``execute`` hands the
-    command's reply to ``rider.reply`` and returns kombu's own results, as it would have."""
-    execute = pipe.execute
-    pipe.execute_command(*rider.command)
-
-    def carrying(raise_on_error: bool = True) -> Any:
-        try:
-            results = execute(raise_on_error=False)
-        except BaseException as exc:
-            rider.reply(exc)
-            raise
-        rider.reply(results[0])
-        own = results[1:]
-        if raise_on_error:
-            for result in own:
-                if isinstance(result, Exception):
-                    raise result
-        return own
-
-    pipe.execute = carrying
-
-
-def same_database(channel: Any, client: Any) -> bool:
-    """Whether kombu's channel and ``client`` (the lock store's) talk to the same server
-    and database, with no key prefix of kombu's: a command may then ride in kombu's
-    transactions (:func:`wrap_qos_append`)."""
-    if getattr(channel, "global_keyprefix", None):
-        return False
-    try:
-        theirs = channel.client.connection_pool.connection_kwargs
-        ours = client.connection_pool.connection_kwargs
-    except AttributeError:
-        return False
-    fields = ("host", "port", "db", "path", "username")
-    return all(theirs.get(name) == ours.get(name) for name in fields) and (
-        theirs.get("host") is not None or theirs.get("path") is not None)

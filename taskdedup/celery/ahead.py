@@ -87,45 +87,33 @@ class ClaimAhead(bootsteps.StartStopStep):  # type: ignore[misc]
         if type(c.pool).__module__ != "celery.concurrency.solo" or hub is None:
             return
         app, tasks = c.app, c.app.tasks
-        channel = getattr(getattr(c, "task_consumer", None), "channel", None)
-        try:
-            store = getattr(get_deduplicator(app), "store", None)
-        except Exception:  # a misconfigured store: the first claim says so, as before
-            logger.debug("taskdedup: no claim ahead (the store is not configured)",
-                         exc_info=True)
-            return
-        carry = store is not None and _compat.same_database(channel, getattr(store, "client", None))
 
-        def before_append(message: Any) -> Any:
+        def before_append(message: Any) -> None:
             headers = getattr(message, "headers", None)
             if not isinstance(headers, Mapping) or headers.get("eta"):
-                return None
+                return
             task = tasks.get(headers.get("task"))
             if task is None or task.app is not app or (
                     getattr(task, "rate_limit", None) and not c.disable_rate_limits):
-                return None
+                return
             task_id = headers.get("id")
-            sent = send_ahead(task, task_id, headers, carry=carry)
-            if sent is None:
-                return None
-            # Celery handles the message (the solo pool: its body too) before the loop's next
-            # turn; a claim still unread then had no body (revoked or expired on arrival, a
-            # message that does not decode): give it back
-            hub.call_soon(abandon, task_id)
-            return sent if carry else None  # carried in kombu's MULTI, or sent already
+            if send_ahead(task, task_id, headers) is not None:
+                # Celery handles the message (the solo pool: its body too) before the loop's
+                # next turn; a claim still unread then had no body (revoked or expired on
+                # arrival, a message that does not decode): give it back
+                hub.call_soon(abandon, task_id)
 
+        channel = getattr(getattr(c, "task_consumer", None), "channel", None)
         missing = _compat.wrap_qos_append(channel, before_append)
         if missing:
             logger.debug("taskdedup: the claim goes out when the pool accepts the task "
                          "(%s)", missing)
 
 
-def send_ahead(task: Any, task_id: Any, fields: Mapping[str, Any], *,
-               carry: bool = False) -> Any | None:
+def send_ahead(task: Any, task_id: Any, fields: Mapping[str, Any]) -> Any | None:
     """Send the claim of ``task``'s call ``task_id`` now, if it can go ahead (``fields``:
     the message headers, or the request's fields, holding the ``taskdedup`` header): the
-    claim sent, or None. ``carry``: not sent but made for the caller to carry in kombu's
-    own transaction (``claim_to_carry``; the locks are in the broker's database)."""
+    claim sent, or None."""
     try:
         policy = getattr(task, "_dedup_policy", None)
         if policy is None or not isinstance(task_id, str) or not task_id or is_disabled():
@@ -150,7 +138,7 @@ def send_ahead(task: Any, task_id: Any, fields: Mapping[str, Any], *,
             _ahead[task_id] = None
         for tid in left:
             abandon(tid)
-        sent = dedup.send_start(policy, key, task_id, carry=carry)
+        sent = dedup.send_start(policy, key, task_id)
     except Exception:  # anything odd: before_start claims as before, and says what is wrong
         logger.debug("taskdedup: the claim of %s was not sent ahead", task_id, exc_info=True)
         with _lock:

@@ -442,20 +442,6 @@ class RedisStore:
                                        sent.reply)
         return sent  # not sent (trail None): read() makes the ordinary call
 
-    def claim_to_carry(self, key: str, owner: str, lease_ms: int) -> SentClaim:
-        """A claim for the caller to carry in a transaction of its own on this very server
-        and database (kombu's unacked record: no write or read of its own). Put
-        :attr:`SentClaim.command` in it and hand the reply (or the error) to
-        :meth:`SentClaim.reply`; a claim never carried is made by ``read()``. This thread's
-        unread completion replies are read first, so those completions ran before it."""
-        check_owner(owner)
-        check_ms("lease_ms", lease_ms)
-        if self._trails is not None:
-            self._trails.settle_mine()
-        sent = SentClaim(self, key, owner, lease_ms)
-        sent.command = ("EVALSHA", self._claim.sha, 1, key, owner, lease_ms)
-        return sent
-
     def _send(self, script: Script, action: str, key: str, *args: str | int) -> SentReserve:
         """``EVALSHA script 1 key *args`` written on a lent connection, its reply unread."""
         sent = SentReserve(self, script, action, key, args)
@@ -822,18 +808,15 @@ _UNREAD: Any = object()
 
 
 class SentClaim:
-    """A claim sent by :meth:`RedisStore.send_claim` on a trail (or carried by the caller:
-    :meth:`RedisStore.claim_to_carry`), its reply not read yet.
+    """A claim sent by :meth:`RedisStore.send_claim` on a trail, its reply not read yet.
 
     Read it once with :meth:`read`, from any thread; :meth:`discard` reads and drops it.
     """
 
-    __slots__ = ("_lease_ms", "_owner", "_reply", "_store", "command", "key", "trail")
+    __slots__ = ("_lease_ms", "_owner", "_reply", "_store", "key", "trail")
 
     def __init__(self, store: RedisStore, key: str, owner: str, lease_ms: int) -> None:
         self._store = store
-        self.command: tuple[Any, ...] = ()
-        """The claim's command, for a caller that carries it (:meth:`RedisStore.claim_to_carry`)."""
         self.key = key
         """The lock key the claim is about."""
         self._owner = owner
@@ -863,8 +846,6 @@ class SentClaim:
         reply, self._reply = self._reply, _UNREAD
         if reply is _UNREAD:  # cannot be: a second claim would answer as a copy of this one
             raise StoreUnavailableError(f"claim {self.key!r}: its reply was not read")
-        if isinstance(reply, NoScriptError):  # carried before the script was loaded: not run
-            return store.claim(self.key, self._owner, self._lease_ms)
         if isinstance(reply, StoreUnavailableError):
             raise reply
         if isinstance(reply, RedisError):
