@@ -437,10 +437,14 @@ class RedisStore:
         check_ms("lease_ms", lease_ms)
         if self._trails is None:  # completions wait for their replies: nothing owed
             return self._send(self._claim, "claim", key, owner, lease_ms)
+        return self._trail_claim(key, owner, lease_ms)  # not sent: read() makes the call
+
+    def _trail_claim(self, key: str, owner: str, lease_ms: int) -> SentClaim:
+        """A claim sent on this thread's trail, behind its completions."""
         sent = SentClaim(self, key, owner, lease_ms)
-        sent.trail = self._trails.send(("EVALSHA", self._claim.sha, 1, key, owner, lease_ms),
-                                       sent.reply)
-        return sent  # not sent (trail None): read() makes the ordinary call
+        sent.trail = self._trails.send(  # type: ignore[union-attr]
+            ("EVALSHA", self._claim.sha, 1, key, owner, lease_ms), sent.reply)
+        return sent
 
     def _send(self, script: Script, action: str, key: str, *args: str | int) -> SentReserve:
         """``EVALSHA script 1 key *args`` written on a lent connection, its reply unread."""
@@ -493,9 +497,7 @@ class RedisStore:
         check_ms("lease_ms", lease_ms)
         if self._trails is not None:
             if window is None:  # on the completions' connection, behind them: one read
-                sent = SentClaim(self, key, owner, lease_ms)
-                sent.trail = self._trails.send(
-                    ("EVALSHA", self._claim.sha, 1, key, owner, lease_ms), sent.reply)
+                sent = self._trail_claim(key, owner, lease_ms)
                 if sent.trail is not None:
                     return sent.read()
             self._trails.settle_mine()  # the last completion's reply, arrived meanwhile
