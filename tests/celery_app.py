@@ -179,6 +179,30 @@ def too_slow(label: str) -> None:
     time.sleep(30)
 
 
+class HoldsItsCopy(DedupTask):
+    """Test scaffolding: a copy of a running message that is put off (``_defer``, SPEC §5)
+    records ``copy:<pid>`` and waits at the gate ``<label>:copy`` first, so a test can kill
+    the pool process that holds only that copy."""
+
+    def _defer(self, policy: Policy, delay: float | None = None,
+               headers: object = None) -> Ignore:
+        label = str(self.request.args[0])
+        effect(label, f"copy:{os.getpid()}")
+        wait_gate(f"{label}:copy", timeout=60)
+        return super()._defer(policy, delay, headers)  # type: ignore[arg-type]
+
+
+@app.task(base=HoldsItsCopy, dedup=Policy(mode="until_executed", ttl=60, lease=30),
+          acks_late=True)
+def held_with_copy(label: str) -> str:
+    """Holds its lock until the test opens ``go:<label>``; a copy of its message waits in
+    :class:`HoldsItsCopy`. No ``reject_on_worker_lost``: a killed process is a FAILURE."""
+    effect(label, f"start:{os.getpid()}")
+    wait_gate(label, timeout=120)
+    effect(label, "end")
+    return label
+
+
 @app.task(
     base=DedupTask, dedup=Policy(mode="until_executed", ttl=60, lease=1.5),
     acks_late=True, reject_on_worker_lost=True,

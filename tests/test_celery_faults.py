@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from taskdedup.testing import wait_for
-from tests.effects import released
+from tests.effects import recorded, released
 from tests.workers import CeleryWorker
 
 pytestmark = pytest.mark.slow
@@ -122,5 +122,48 @@ def test_pool_child_killed_with_acks_late_is_redelivered_and_runs(
         effects = [e.decode() for e in rc.lrange(f"effects:{name}", 0, -1)]
         assert [e for e in effects if e.startswith("start")][1:]  # ran again after the kill
         assert effects[-1] == "end" and effects.count("end") == 1
+    finally:
+        worker.stop()
+
+
+def test_a_pool_process_killed_holding_only_a_copy_leaves_the_running_lock(
+    capp: Any, redis_url: str
+) -> None:
+    """Two copies of one message (kombu restores an unacked message: SPEC §5): the first runs
+    and holds the lock, the second is being put off in the other pool process when that
+    process is SIGKILLed. The main process stores WorkerLostError for the id (Celery's own
+    doing) but must not release the lock by that id: the first copy still runs under it, and
+    a new call of the same identity must not run beside it."""
+    from kombu.utils.json import dumps, loads
+
+    rc = redis.Redis.from_url(redis_url)
+    name = uuid.uuid4().hex[:12]
+    queue = "it-faults-copy"
+    key = capp.lock_key(capp.held_with_copy, name)
+    worker = CeleryWorker(redis_url, queue=queue, concurrency=2).start()
+    try:
+        res = capp.held_with_copy.apply_async((name,), queue=queue)
+        wait_for(lambda: any(e.startswith("start:") for e in recorded(rc, name)), timeout=30,
+                 what="the first copy runs")
+        # kombu's restore, as it copies an unacked message back to its queue
+        entry = wait_for(lambda: next((loads(v) for v in rc.hvals("unacked")
+                                       if loads(v)[0]["headers"]["id"] == res.id), None),
+                         timeout=10, what="the message recorded unacked")
+        rc.lpush(queue, dumps(entry[0]))
+        copy = wait_for(lambda: next((e for e in recorded(rc, name) if e.startswith("copy:")),
+                                     None), timeout=30, what="the copy is being put off")
+        os.kill(int(copy.split(":")[1]), signal.SIGKILL)
+        wait_for(lambda: "WorkerLostError" in worker.output()[worker.log_start:], timeout=30,
+                 interval=0.1, what="the main process reports the lost process")
+        # the main process ran its task_failure handlers (the log line comes after them):
+        # the lock is still the first copy's
+        value = rc.get(key)
+        assert value is not None and value.decode().startswith("R|") and \
+            value.decode().endswith(res.id), value
+        assert capp.held_with_copy.apply_async((name,), queue=queue).id == res.id  # dropped
+        rc.set(f"go:{name}", 1)
+        wait_for(lambda: "end" in recorded(rc, name), timeout=30, what="the first copy ends")
+        starts = [e for e in recorded(rc, name) if e.startswith("start:")]
+        assert len(starts) == 1, recorded(rc, name)
     finally:
         worker.stop()

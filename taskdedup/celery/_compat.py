@@ -65,6 +65,7 @@ __all__ = [
     "SentinelTransport",
     "Transport",
     "VirtualQoS",
+    "active_copy",
     "after_poll_reply",
     "consume_order",
     "fetch_source_keys",
@@ -199,6 +200,23 @@ def transport_of(producer: Any) -> Any:
     """The kombu transport of a producer's connection (None when it has none yet)."""
     connection = getattr(producer, "connection", None)
     return getattr(connection, "transport", None)
+
+
+def active_copy(task_id: str) -> bool:
+    """Whether a pool process of this worker is running a request of ``task_id`` now (the
+    worker's main process). Celery's worker state (``celery.worker.state.active_requests``,
+    what ``celery inspect active`` reports) drops a request before its failure handlers run,
+    so a request found there is another copy of the same message. False where the worker
+    state has no such set."""
+    try:
+        from celery.worker import state
+    except ImportError:  # pragma: no cover - part of every Celery release taskdedup supports
+        return False
+    active = getattr(state, "active_requests", None)
+    try:
+        return any(getattr(request, "id", None) == task_id for request in list(active or ()))
+    except TypeError:
+        return False
 
 
 def forget_pending(task: Any, task_id: str) -> None:

@@ -14,8 +14,10 @@ from __future__ import annotations
 from typing import Any
 
 from celery import signals
+from celery.exceptions import TimeLimitExceeded, WorkerLostError
 
 from .. import running, stats
+from ..events import logger
 from ..policy import Mode
 from ..stores import trail
 from . import _compat, ahead, claims
@@ -56,15 +58,32 @@ def _on_success(sender: Any = None, **_: Any) -> None:
 
 
 def _on_failure(
-    sender: Any = None, task_id: str | None = None, args: Any = None, kwargs: Any = None, **_: Any
+    sender: Any = None, task_id: str | None = None, args: Any = None, kwargs: Any = None,
+    exception: Any = None, **_: Any
 ) -> None:
+    """A final failure. In the pool process that ran it: release the lock this execution
+    claimed, or only the reservation (``queued``) of one that failed before its claim — a
+    ``running`` lock of its id is another copy's. In the worker's main process, for a pool
+    process it lost (``WorkerLostError``, a hard time limit): release by id, unless another
+    copy of the message runs on this worker now — the dead process may have held only a copy
+    being put off, and the lock is then the live copy's; a lock the dead process held
+    lapses within its lease (its heartbeat died with it)."""
     task = _dedup_task(sender)
     if task is None or task_id is None:
         return
+    lost = isinstance(exception, (WorkerLostError, TimeLimitExceeded))
+    claimed = claims.lookup(task_id, task.name) is not None
     key = _lock_key(task, task_id, None, args, kwargs)
     claims.forget(task_id)
-    if key:
-        get_deduplicator(task.app).release(task.name, key, task_id, reason="failed")
+    if not key:
+        return
+    if lost and _compat.active_copy(task_id):
+        logger.info("taskdedup: %s[%s]: its pool process was lost while another copy of its "
+                    "message runs on this worker: the lock stays with that copy (a lock the "
+                    "lost process held lapses within its lease)", task.name, task_id)
+        return
+    get_deduplicator(task.app).release(task.name, key, task_id, reason="failed",
+                                       only_queued=not lost and not claimed)
 
 
 def _on_internal_error(
@@ -72,14 +91,17 @@ def _on_internal_error(
 ) -> None:
     """Celery's internal-error path (a failing ``on_failure`` hook, a result that cannot be
     stored): the request is popped, and ``task_failure`` may follow or not. The task is a
-    FAILURE: release the lock it claimed, or the reservation its message carries."""
+    FAILURE: release the lock it claimed, or the reservation (``queued``) its message
+    carries; a ``running`` lock of its id that it did not claim is another copy's."""
     task = _dedup_task(sender)
     if task is None or task_id is None:
         return
+    claimed = claims.lookup(task_id, task.name) is not None
     key = _lock_key(task, task_id, request)
     claims.forget(task_id)
     if key:
-        get_deduplicator(task.app).release(task.name, key, task_id, reason="internal_error")
+        get_deduplicator(task.app).release(task.name, key, task_id, reason="internal_error",
+                                           only_queued=not claimed)
 
 
 def _on_retry(sender: Any = None, request: Any = None, **_: Any) -> None:
