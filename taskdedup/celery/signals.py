@@ -21,7 +21,7 @@ from ..events import logger
 from ..policy import Mode
 from ..stores import trail
 from . import _compat, ahead, claims
-from ._message import HEADER, RUNNING_ATTR, SKIPPED, STATE_ATTR, request_header
+from ._message import COMPLETED_ATTR, HEADER, RUNNING_ATTR, SKIPPED, STATE_ATTR, request_header
 from .config import get_deduplicator, say_fetch_path, say_publish_path, use_reliable_fetch
 from .task import DedupTask
 
@@ -49,6 +49,9 @@ def _on_success(sender: Any = None, **_: Any) -> None:
     if task is None:
         return
     request = task.request
+    if request.__dict__.pop(COMPLETED_ATTR, False):  # DedupTask.__call__ completed it
+        claims.forget(request.id)
+        return
     key = _own_key(task, request, request.id)
     if key:
         get_deduplicator(task.app).finish(  # the next task does not wait for its reply

@@ -23,6 +23,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from celery import Celery, Task, states
+from celery.backends.base import DisabledBackend
 from celery.exceptions import Ignore, Retry
 from celery.signals import after_task_publish, before_task_publish
 
@@ -53,6 +54,7 @@ from . import _compat, claims, eager
 from . import ahead as claimed_ahead
 from . import limits as task_limits
 from ._message import (
+    COMPLETED_ATTR,
     HEADER,
     RUNNING_ATTR,
     SKIP_ATTR,
@@ -591,12 +593,40 @@ class DedupTask(Task):  # type: ignore[misc]
             skipped = getattr(request, SKIP_ATTR, None)
             if skipped is not None:
                 return skipped
-            return super().__call__(*args, **kwargs)
+            value = super().__call__(*args, **kwargs)
+            self._complete(request)
+            return value
         token = running.enter(self._direct_identity(args, kwargs))
         try:
             return super().__call__(*args, **kwargs)
         finally:
             running.leave(token)
+
+    def _complete(self, request: Any) -> None:
+        """The body returned: complete its lock now, before Celery publishes its callbacks
+        and stores its result, so whoever sees the outcome (``.get()`` returns, a chain's next
+        step is published) finds the identity released and its own call runs. The reply is
+        awaited when the outcome is seen that way (a result stored, callbacks, eager);
+        otherwise it is read later (:meth:`taskdedup.core.Deduplicator.finish`). The
+        ``task_success`` handler then completes nothing twice; a failure after this (a result
+        that cannot be stored) still releases the lock by its id."""
+        key = request.__dict__.get(STATE_ATTR)
+        policy = self._dedup_policy
+        if not key or key == SKIPPED or policy is None:
+            return
+        setattr(request, COMPLETED_ATTR, True)
+        later = not (request.is_eager or self._outcome_seen(request))
+        get_deduplicator(self.app).finish(self.name, policy, str(key), request.id,
+                                          success=True, later=later)
+
+    def _outcome_seen(self, request: Any) -> bool:
+        """Whether this execution's outcome reaches anyone once the body returns: a result
+        stored in a backend, or callbacks (``link``, a chain, a chord) published."""
+        if request.callbacks or request.chain or request.chord:
+            return True
+        if self.ignore_result or request.__dict__.get("ignore_result"):
+            return False
+        return not isinstance(self.backend, DisabledBackend)
 
     def _direct_identity(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Running | None:
         """The running identity of a direct in-process call: its own key (None when dedup is
