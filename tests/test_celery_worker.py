@@ -155,6 +155,24 @@ def test_a_call_made_once_the_result_is_seen_runs_again(capp: Any, rc: redis.Red
     assert dropped == []
 
 
+def test_a_call_made_once_the_failure_is_seen_runs_again(capp: Any, rc: redis.Redis) -> None:
+    """The same for a final failure: once ``.get()`` has raised, the lock is released and
+    the caller's new call runs (Celery stores the FAILURE before ``task_failure``: the lock
+    was released from there, after the caller could see it)."""
+    dropped = []
+    for n in range(60):
+        name = f"{label()}-{n}"
+        first = capp.fail_first.delay(name)
+        with pytest.raises(RuntimeError):
+            first.get(timeout=30)
+        second = capp.fail_first.delay(name)
+        if second.id == first.id:
+            dropped.append(name)
+        else:
+            assert second.get(timeout=30) == name
+    assert dropped == []
+
+
 def test_a_chain_of_one_identity_runs_each_step_in_turn(capp: Any, rc: redis.Redis) -> None:
     """A chain whose steps share an identity (until_executed): each step's lock is completed
     before Celery publishes the next step, so every step runs — none is refused as a

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 __all__ = [
-    "COMPLETED_ATTR", "HEADER", "RUNNING_ATTR", "SKIPPED", "SKIP_ATTR", "STATE_ATTR",
+    "COMPLETED_ATTR", "HEADER", "RELEASED_ATTR", "RUNNING_ATTR", "SKIPPED", "SKIP_ATTR", "STATE_ATTR",
     "TRACED_ATTR", "carried_key", "is_off", "marked", "mark", "request_header",
 ]
 
@@ -26,6 +26,7 @@ SKIP_ATTR = "_taskdedup_skipped"  # on the request: the result of a skipped dupl
 RUNNING_ATTR = "_taskdedup_running"  # on the request: the token of taskdedup.running.enter
 TRACED_ATTR = "_taskdedup_traced"  # on the request: before_start ran, __call__ is the tracer's
 COMPLETED_ATTR = "_taskdedup_completed"  # on the request: __call__ completed its lock
+RELEASED_ATTR = "_taskdedup_released"  # on the request: __call__ released it (a failure)
 _DUPLICATE_OF, _WORKFLOW = "dup", "wf"
 
 

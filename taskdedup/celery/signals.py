@@ -21,7 +21,15 @@ from ..events import logger
 from ..policy import Mode
 from ..stores import trail
 from . import _compat, ahead, claims
-from ._message import COMPLETED_ATTR, HEADER, RUNNING_ATTR, SKIPPED, STATE_ATTR, request_header
+from ._message import (
+    COMPLETED_ATTR,
+    HEADER,
+    RELEASED_ATTR,
+    RUNNING_ATTR,
+    SKIPPED,
+    STATE_ATTR,
+    request_header,
+)
 from .config import get_deduplicator, say_fetch_path, say_publish_path, use_reliable_fetch
 from .task import DedupTask
 
@@ -73,6 +81,11 @@ def _on_failure(
     lapses within its lease (its heartbeat died with it)."""
     task = _dedup_task(sender)
     if task is None or task_id is None:
+        return
+    current = task.request
+    if current is not None and current.id == task_id and current.__dict__.pop(
+            RELEASED_ATTR, False):  # DedupTask.__call__ released it as the body raised
+        claims.forget(task_id)
         return
     lost = isinstance(exception, (WorkerLostError, TimeLimitExceeded))
     claimed = claims.lookup(task_id, task.name) is not None

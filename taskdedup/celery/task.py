@@ -24,7 +24,7 @@ from typing import Any
 
 from celery import Celery, Task, states
 from celery.backends.base import DisabledBackend
-from celery.exceptions import Ignore, Retry
+from celery.exceptions import Ignore, Retry, TaskPredicate
 from celery.signals import after_task_publish, before_task_publish
 
 from .. import flow, running
@@ -56,6 +56,7 @@ from . import limits as task_limits
 from ._message import (
     COMPLETED_ATTR,
     HEADER,
+    RELEASED_ATTR,
     RUNNING_ATTR,
     SKIP_ATTR,
     SKIPPED,
@@ -593,7 +594,13 @@ class DedupTask(Task):  # type: ignore[misc]
             skipped = getattr(request, SKIP_ATTR, None)
             if skipped is not None:
                 return skipped
-            value = super().__call__(*args, **kwargs)
+            try:
+                value = super().__call__(*args, **kwargs)
+            except TaskPredicate:  # Retry, Ignore, Reject: their own signals decide
+                raise
+            except Exception:  # a FAILURE: released before Celery stores it, calls errbacks
+                self._release_failed(request)
+                raise
             self._complete(request)
             return value
         token = running.enter(self._direct_identity(args, kwargs))
@@ -618,6 +625,17 @@ class DedupTask(Task):  # type: ignore[misc]
         later = not (request.is_eager or self._outcome_seen(request))
         get_deduplicator(self.app).finish(self.name, policy, str(key), request.id,
                                           success=True, later=later)
+
+    def _release_failed(self, request: Any) -> None:
+        """The body raised (not a retry, ``Ignore`` or ``Reject``): Celery records a FAILURE
+        next — stores it, calls the errbacks, sends ``task_failure`` — so release the lock now
+        and wait for it: an errback or a caller that sees the failure and calls again finds
+        the identity free. ``task_failure`` then releases nothing twice."""
+        key = request.__dict__.get(STATE_ATTR)
+        if not key or key == SKIPPED or self._dedup_policy is None:
+            return
+        setattr(request, RELEASED_ATTR, True)
+        get_deduplicator(self.app).release(self.name, str(key), request.id, reason="failed")
 
     def _outcome_seen(self, request: Any) -> bool:
         """Whether this execution's outcome reaches anyone once the body returns: a result
