@@ -80,6 +80,20 @@ def on_success_cb(job: Any, connection: Any, result: Any, *args: Any, **kwargs: 
     r().rpush(f"callbacks:{job.id}", "success")
 
 
+def enqueue_again_once(job: Any, connection: Any, *args: Any, **kwargs: Any) -> None:
+    """A success or failure callback that enqueues the same call once more (until_executed)
+    and records the id it got back (a new job's, or the original's when it was dropped)."""
+    from taskdedup import Policy
+    from taskdedup.rq import DedupQueue
+
+    name = job.args[0]
+    if int(r().incr(f"again:{name}")) == 1:
+        queue = DedupQueue(job.origin, connection=connection,
+                           dedup=Policy(mode="until_executed", ttl=60))
+        again = queue.enqueue(job.func, *job.args)
+        r().rpush(f"again-id:{name}", again.id if again is not None else "-")
+
+
 class FastStoreRetryWorker(DedupWorker):
     """A DedupWorker that puts a job back after 0.5 s when its lock store is down."""
 

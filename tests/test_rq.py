@@ -169,6 +169,26 @@ def test_failure_releases_the_lock_so_the_same_call_runs_again(
     assert effects(rc, name) == ["1", "2"]
 
 
+@pytest.mark.parametrize("outcome", ["success", "failure"])
+def test_a_callback_that_enqueues_the_same_call_again_has_it_run(
+    workers: list[RqWorker], rc: redis.Redis, outcome: str
+) -> None:
+    """until_executed: the job's own ``on_success`` / ``on_failure`` callback enqueues the
+    same call again; the lock is completed (released) as the function returns (raises), before
+    RQ runs the callback, so that call runs — it is not dropped as a duplicate of the job
+    that has just executed."""
+    name = label()
+    queue = DedupQueue(QUEUE, connection=rc, dedup=Policy(mode="until_executed", ttl=60))
+    func = rq_jobs.record if outcome == "success" else rq_jobs.fail_first
+    callback = {f"on_{outcome}": Callback(rq_jobs.enqueue_again_once)}
+    first = queue.enqueue(func, name, **callback)
+    assert first is not None
+    again = wait_for(lambda: rc.lrange(f"again-id:{name}", 0, -1), timeout=30,
+                     what="the callback enqueued the call again")
+    assert again[0].decode() != first.id
+    wait_for(lambda: len(effects(rc, name)) == 2, timeout=30, what="the call ran again")
+
+
 @pytest.mark.slow
 def test_retry_runs_and_a_third_party_duplicate_during_its_interval_is_suppressed(
     workers: list[RqWorker], q: DedupQueue, rc: redis.Redis

@@ -89,6 +89,7 @@ class DedupWorker(Worker):
         self._dedup_pid = os.getpid()
         self._dedup_claims: dict[str, Guard] = {}
         self._dedup_unclaimed: set[str] = set()  # failed before a claim: no lock to touch
+        self._dedup_released: set[str] = set()  # released as its function raised
 
     def bootstrap(self, *args: Any, **kwargs: Any) -> None:
         """RQ's start-up (it sets up the worker's log handlers); then our records join that
@@ -243,6 +244,7 @@ class DedupWorker(Worker):
             return True
         if result.verdict is Verdict.ACCEPTED and guard.policy.mode.gates_execution:
             self._dedup_claims[job.id] = guard
+            self._settle_as_it_returns(job, guard)
         limited = job_limits.enter(self, job, queue, execution, run, guard)  # SPEC §16
         if limited is not None:
             return limited
@@ -302,7 +304,7 @@ class DedupWorker(Worker):
         timeout): the key comes from the job's meta, the release is fenced by the job id.
         """
         self._dedup_claims.pop(job.id, None)
-        guard = self._lock_of(job)
+        guard = None if self._discard_released(job.id) else self._lock_of(job)
         if guard is not None:
             stopped = _compat.stopped_job_id(self) == job.id
             if job.should_retry and not stopped:
@@ -316,6 +318,12 @@ class DedupWorker(Worker):
         )
 
     # -- helpers ---------------------------------------------------------------------------
+
+    def _discard_released(self, job_id: str) -> bool:
+        """Whether the job's lock was released as its function raised (and forget it)."""
+        released = job_id in self._dedup_released
+        self._dedup_released.discard(job_id)
+        return released
 
     def _lock_of(self, job: Job) -> Guard | None:
         """The trusted guard of a job whose lock a failure or retry handler releases or
@@ -422,6 +430,29 @@ class DedupWorker(Worker):
             pipe.lrem(queue.intermediate_queue_key, 1, job.id)
             job.set_status(JobStatus.FINISHED, pipeline=pipe)
             pipe.execute()
+
+    def _settle_as_it_returns(self, job: Job, guard: Guard) -> None:
+        """Complete the lock as the job's function returns, or release it as it raises with
+        no retry left, before RQ runs the job's success or failure callback: a callback
+        that enqueues the same call again finds the identity free. A returned ``Retry``, a
+        pending ``Repeat`` or a failure that will retry keep the lock for
+        ``handle_job_retry`` / ``handle_job_success`` / ``handle_job_failure`` as before."""
+        perform = job.perform
+
+        def perform_then_settle() -> Any:
+            try:
+                value = perform()
+            except Exception:
+                if not job.should_retry and self._dedup_claims.pop(job.id, None) is not None:
+                    self._dedup_released.add(job.id)
+                    self.dedup.release(guard.name, guard.key, job.id, reason="failed")
+                raise
+            if not isinstance(value, Retry) and not job.repeats_left and \
+                    self._dedup_claims.pop(job.id, None) is not None:
+                self.dedup.finish(guard.name, guard.policy, guard.key, job.id, success=True)
+            return value
+
+        job.perform = perform_then_settle  # type: ignore[method-assign]  # this job object only
 
     def _rereserve(self, guard: Guard, job: Job, interval: float, again: str = "retry") -> None:
         """Keep the lock owned by this job id, queued for ``ttl`` + ``interval``: the retry
