@@ -23,7 +23,6 @@ import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from importlib.resources import files
 from typing import Any, Final
 
 from .core import COPY_WAIT_MIN, Deduplicator, GateResult, Identity, StartResult, Verdict
@@ -31,8 +30,8 @@ from .events import Event, logger
 from .exceptions import ConfigurationError, StoreUnavailableError
 from .policy import Policy
 from .stores.base import LockState
-from .stores.redis import SCRIPTS as _LOCK_SCRIPTS
 from .stores.redis import RedisStore
+from .stores.scripts import source as lua_source
 from .stores.redis import _result as _lock_result
 
 __all__ = [
@@ -92,12 +91,8 @@ def busy_wait(policy: Policy, waited: float, redelivery: float | None = None) ->
 
 # -- coalesce and debounce (SPEC §15) ------------------------------------------------------
 
-_LUA = files("taskdedup.stores").joinpath("lua")
-_PRELUDE = _LUA.joinpath("_lib.lua").read_text(encoding="utf-8")
-_SOURCES = {name: (_PRELUDE if name in ("coalesce", "follow_up", "debounced") else "")
-            + _LUA.joinpath(f"{name}.lua").read_text(encoding="utf-8")
+_SOURCES = {name: lua_source(name, library=name in ("coalesce", "follow_up", "debounced"))
             for name in ("coalesce", "follow_up", "debounce", "debounced", "undo")}
-assert "gate" in _LOCK_SCRIPTS["reserve"]  # the same prelude as the lock's own scripts
 
 _CODES = {1: Verdict.ACCEPTED, 7: Verdict.COALESCED, 8: Verdict.SUPERSEDED, 9: Verdict.WAITING}
 _STATE = {s.value: s for s in LockState}

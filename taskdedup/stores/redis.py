@@ -23,7 +23,6 @@ import logging
 import re
 import time
 from collections.abc import Callable, Iterator, Sequence
-from importlib.resources import files
 from types import TracebackType
 from typing import Any, Self
 
@@ -44,7 +43,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ..approximate import Probe
 from ..exceptions import ConfigurationError, StoreUnavailableError
-from . import server
+from . import scripts, server
 from ._compat import NEVER_DECODE, raw_exchange
 from .base import LockInfo, LockResult, LockState, Outcome, Remembered
 from .memory import check_check, check_ms, check_owner, parse_value
@@ -66,18 +65,9 @@ _SCRIPT_NAMES = (
 )
 
 
-def _load_sources() -> dict[str, str]:
-    """Each transition's source, with the shared functions (``_lib.lua``) in front."""
-    lua = files(__package__).joinpath("lua")
-    prelude = lua.joinpath("_lib.lua").read_text(encoding="utf-8")
-    return {
-        name: prelude + lua.joinpath(f"{name}.lua").read_text(encoding="utf-8")
-        for name in _SCRIPT_NAMES
-    }
-
-
-#: The Lua sources, read once at import (they ship as package data).
-SCRIPTS: dict[str, str] = _load_sources()
+#: The Lua sources, read once at import (they ship as package data), each with the shared
+#: functions of ``_lib.lua`` it calls in front (:mod:`taskdedup.stores.scripts`).
+SCRIPTS: dict[str, str] = {name: scripts.source(name) for name in _SCRIPT_NAMES}
 
 # Replies are read undecoded, whatever the client's decode_responses, so an owner that is
 # not UTF-8 (written by someone else) decodes with surrogateescape instead of raising.
