@@ -31,8 +31,8 @@ from .exceptions import ConfigurationError, StoreUnavailableError
 from .policy import Policy
 from .stores.base import LockState
 from .stores.redis import RedisStore
-from .stores.scripts import source as lua_source
 from .stores.redis import _result as _lock_result
+from .stores.scripts import source as lua_source
 
 __all__ = [
     "BUSY_TOLERANCE", "FOLLOW_UP", "GENERATION", "SUPERSEDED_MARK", "WAITING_SINCE", "Flow",

@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from typing import Any
 
 __all__ = [
-    "COMPLETED_ATTR", "HEADER", "RELEASED_ATTR", "RUNNING_ATTR", "SKIPPED", "SKIP_ATTR", "STATE_ATTR",
-    "TRACED_ATTR", "carried_key", "is_off", "marked", "mark", "request_header",
+    "COMPLETED_ATTR", "HEADER", "RELEASED_ATTR", "RUNNING_ATTR", "SKIPPED", "SKIP_ATTR",
+    "STATE_ATTR", "TRACED_ATTR", "carried_key", "is_off", "marked", "mark", "request_header",
 ]
 
 HEADER = "taskdedup"
