@@ -142,3 +142,26 @@ def test_explicit_task_id_reused_by_a_fresh_call_is_a_duplicate_of_itself(
     sentinel = label()
     assert capp.record.apply_async((sentinel,), countdown=1).get(timeout=30) == f"{sentinel}:0"
     assert effects(rc, name) == ["start", "end"]
+
+
+def test_a_call_sent_again_right_after_its_revoke_runs(capp: Any, rc: redis.Redis) -> None:
+    """"Cancel, then send it again": ``revoke()`` on the handle frees the queued call's
+    identity at once, before any worker has seen the revoke, so the same call made right
+    after it is a new call (not a duplicate of one that will never run). Sent to a queue no
+    worker consumes: the revoked message is still there, unseen."""
+    name = label()
+    queue = f"it-revoke-{label()}"
+    task = capp.record_until_executed
+    first = task.apply_async((name,), queue=queue)
+    key = key_of(capp, task, name)
+    assert value(rc, key).endswith(first.id)
+    first.revoke()
+    again = task.apply_async((name,), queue=queue)
+    assert again.id != first.id
+    assert value(rc, key).endswith(again.id)
+    # a handle of a duplicate stands for the original: its revoke frees that call too
+    dup = task.apply_async((name,), queue=queue)
+    assert dup.id == again.id
+    dup.revoke()
+    assert task.apply_async((name,), queue=queue).id not in (first.id, again.id)
+    rc.delete(queue)

@@ -25,6 +25,7 @@ from . import signals as _signals  # connects the worker guard's handlers
 from ._message import HEADER
 from .batch import Batch, batch
 from .config import get_deduplicator
+from .result import DedupResult
 from .task import DedupTask, DuplicateExecution, skipped_info
 from .transport import TRANSPORT, RedisTransport
 
@@ -32,6 +33,7 @@ __all__ = [
     "HEADER",
     "TRANSPORT",
     "Batch",
+    "DedupResult",
     "DedupTask",
     "DuplicateExecution",
     "RedisTransport",

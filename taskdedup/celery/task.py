@@ -70,6 +70,7 @@ from ._message import (
 )
 from .batch import BATCH, Deferred
 from .config import fused_producer, fuses, get_deduplicator, visibility_timeout
+from .result import DedupResult
 from .transport import FUSED, Fused, RedisTransport
 
 __all__ = ["OUTBOX", "DedupTask", "DuplicateExecution", "NO_RESERVE", "skipped_info"]
@@ -182,6 +183,8 @@ class DedupTask(Task):  # type: ignore[misc]
             handle = super(DedupTask, self).apply_async(
                 args, kwargs, task_id, producer, link, link_error, shadow, **options
             )
+            if isinstance(handle, DedupResult) and headers is not None:
+                handle.lock_key = carried_key(headers.get(HEADER), self.name)
             eager.remember(handle)  # task_always_eager: what a duplicate of it will get
             return handle
 
@@ -527,7 +530,9 @@ class DedupTask(Task):  # type: ignore[misc]
         if resolve_duplicate(self.name, policy, key, existing_id, carried):
             if self.app.conf.task_always_eager:
                 return eager.handle(str(existing_id))
-            return self.AsyncResult(existing_id)
+            original = self.AsyncResult(existing_id)
+            original.lock_key = key  # revoke() frees the identity of the call it stands for
+            return original
         return None
 
     def _continues(
@@ -580,6 +585,14 @@ class DedupTask(Task):  # type: ignore[misc]
             func = self.run
             self.__dict__["_dedup_func"] = func
         return func  # type: ignore[no-any-return]
+
+    def AsyncResult(self, task_id: Any, **kwargs: Any) -> DedupResult:
+        """Celery's handle, whose ``revoke()`` also frees a queued call's identity at once
+        (:class:`~taskdedup.celery.result.DedupResult`)."""
+        handle = DedupResult(task_id, backend=self.backend, task_name=self.name,
+                             app=self._get_app(), **kwargs)
+        handle.lock_task = self.name
+        return handle
 
     # -- worker guard ---------------------------------------------------------------------
 
