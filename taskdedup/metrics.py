@@ -5,6 +5,9 @@
 
 * ``taskdedup_events_total{task, event}`` — a counter per event (``reserved``, ``duplicate``,
   ``claimed``, ``skipped``, ``completed``, ``released``, ``lease_lost``, ``store_error``);
+  an accepted call's own id reserving again for its retry, its ``Repeat`` or a limit's
+  put-off counts as ``reserved_retry`` / ``reserved_repeat`` / ``reserved_limit``, so
+  ``reserved`` counts new enqueues only (as ``taskdedup stats`` does);
 * ``taskdedup_gate_seconds{task}`` — a histogram of the enqueue gate's store call;
 * ``taskdedup_second_calls_total{task, answer}`` — the second call's answers (SPEC §15):
   ``wait`` (an execution put off because another id ran its identity), ``coalesced`` (a call
@@ -51,6 +54,10 @@ __all__ = [
 ]
 
 INSTALL_HINT: Final = "pip install 'taskdedup[prometheus]'"
+
+_AGAIN: Final = frozenset(("retry", "repeat", "limit"))
+"""``reserved`` details of an accepted call's own id reserving again (as
+:data:`taskdedup.stats.AGAIN`): counted as ``reserved_<detail>``, not as ``reserved``."""
 
 GATE_BUCKETS: Final = (
     0.0002, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
@@ -129,6 +136,8 @@ class PrometheusListener:
 
     def __call__(self, event: DedupEvent) -> None:
         name = event.event.value
+        if event.event is Event.RESERVED and event.detail in _AGAIN:  # not a new enqueue
+            name = f"reserved_{event.detail}"
         counter = self._counters.get((event.task, name))
         if counter is None:
             counter = self._counters[(event.task, name)] = self.events_total.labels(

@@ -39,6 +39,27 @@ def test_listener_counts_events_by_task_and_event() -> None:
     assert count("released") == 0
 
 
+def test_a_retry_reserving_again_is_not_counted_as_a_new_enqueue() -> None:
+    """The retry of an accepted call re-reserves its lock (``reserved`` with detail
+    ``retry``): ``reserved`` counts new enqueues only, as ``taskdedup stats`` does."""
+    registry = CollectorRegistry()
+    dedup = Deduplicator(MemoryStore())
+    attach(dedup, registry)
+    policy = Policy()
+    identity = dedup.identity("app.charge", policy, (42,))
+    dedup.gate("app.charge", policy, identity, "id-1")
+    dedup.start("app.charge", policy, identity.key, "id-1")
+    dedup.gate("app.charge", policy, identity, "id-1", again="retry")
+    dedup.gate("app.charge", policy, identity, "id-1", again="limit")
+
+    def count(event: str) -> float:
+        return sample(registry, "taskdedup_events_total", task="app.charge", event=event)
+
+    assert count("reserved") == 1
+    assert count("reserved_retry") == 1
+    assert count("reserved_limit") == 1
+
+
 def test_listener_observes_gate_latency_per_task() -> None:
     registry = CollectorRegistry()
     listener = PrometheusListener(registry)
