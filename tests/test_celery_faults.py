@@ -126,34 +126,40 @@ def test_pool_child_killed_with_acks_late_is_redelivered_and_runs(
         worker.stop()
 
 
+@pytest.mark.parametrize("where", ["this worker", "another worker"])
 def test_a_pool_process_killed_holding_only_a_copy_leaves_the_running_lock(
-    capp: Any, redis_url: str
+    capp: Any, redis_url: str, where: str
 ) -> None:
     """Two copies of one message (kombu restores an unacked message: SPEC §5): the first runs
-    and holds the lock, the second is being put off in the other pool process when that
-    process is SIGKILLed. The main process stores WorkerLostError for the id (Celery's own
-    doing) but must not release the lock by that id: the first copy still runs under it, and
-    a new call of the same identity must not run beside it."""
+    and holds the lock, the second is being put off in another pool process — of the same
+    worker, or of another worker — when that process is SIGKILLed. Its worker's main process
+    stores WorkerLostError for the id (Celery's own doing) but must not release the lock by
+    that id: the first copy still runs under it, and a new call of the same identity must not
+    run beside it. (Both failed before the fix; "another worker" failed with the first fix,
+    which only looked for another copy active on the same worker.)"""
     from kombu.utils.json import dumps, loads
 
     rc = redis.Redis.from_url(redis_url)
     name = uuid.uuid4().hex[:12]
-    queue = "it-faults-copy"
+    queue = f"it-faults-copy-{name}"
+    copies = queue if where == "this worker" else f"{queue}-b"
     key = capp.lock_key(capp.held_with_copy, name)
     worker = CeleryWorker(redis_url, queue=queue, concurrency=2).start()
+    other = CeleryWorker(redis_url, queue=copies, concurrency=2).start() \
+        if copies != queue else worker
     try:
         res = capp.held_with_copy.apply_async((name,), queue=queue)
         wait_for(lambda: any(e.startswith("start:") for e in recorded(rc, name)), timeout=30,
                  what="the first copy runs")
-        # kombu's restore, as it copies an unacked message back to its queue
+        # kombu's restore, as it copies an unacked message back to a queue
         entry = wait_for(lambda: next((loads(v) for v in rc.hvals("unacked")
                                        if loads(v)[0]["headers"]["id"] == res.id), None),
                          timeout=10, what="the message recorded unacked")
-        rc.lpush(queue, dumps(entry[0]))
+        rc.lpush(copies, dumps(entry[0]))
         copy = wait_for(lambda: next((e for e in recorded(rc, name) if e.startswith("copy:")),
                                      None), timeout=30, what="the copy is being put off")
         os.kill(int(copy.split(":")[1]), signal.SIGKILL)
-        wait_for(lambda: "WorkerLostError" in worker.output()[worker.log_start:], timeout=30,
+        wait_for(lambda: "WorkerLostError" in other.output()[other.log_start:], timeout=30,
                  interval=0.1, what="the main process reports the lost process")
         # the main process ran its task_failure handlers (the log line comes after them):
         # the lock is still the first copy's
@@ -165,5 +171,33 @@ def test_a_pool_process_killed_holding_only_a_copy_leaves_the_running_lock(
         wait_for(lambda: "end" in recorded(rc, name), timeout=30, what="the first copy ends")
         starts = [e for e in recorded(rc, name) if e.startswith("start:")]
         assert len(starts) == 1, recorded(rc, name)
+    finally:
+        worker.stop()
+        if other is not worker:
+            other.stop()
+
+
+def test_a_pool_process_killed_holding_the_lock_has_it_released_at_once(
+    capp: Any, redis_url: str
+) -> None:
+    """The other side of the rule above: the pool process that holds the lock is SIGKILLed
+    (no ``reject_on_worker_lost``: Celery records a FAILURE), and its main process releases
+    the lock at once — long before its 30 s lease would lapse — so the next call runs."""
+    rc = redis.Redis.from_url(redis_url)
+    name = uuid.uuid4().hex[:12]
+    queue = f"it-faults-holder-{name}"
+    key = capp.lock_key(capp.held_with_copy, name)
+    worker = CeleryWorker(redis_url, queue=queue, concurrency=2).start()
+    try:
+        first = capp.held_with_copy.apply_async((name,), queue=queue)
+        start = wait_for(lambda: next((e for e in recorded(rc, name)
+                                       if e.startswith("start:")), None),
+                         timeout=30, what="the body runs")
+        os.kill(int(start.split(":")[1]), signal.SIGKILL)
+        wait_for(lambda: not rc.exists(key), timeout=10, what="the lock released")
+        rc.set(f"go:{name}", 1)
+        again = capp.held_with_copy.apply_async((name,), queue=queue)
+        assert again.id != first.id
+        assert again.get(timeout=30) == name
     finally:
         worker.stop()

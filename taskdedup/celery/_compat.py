@@ -66,6 +66,7 @@ __all__ = [
     "Transport",
     "VirtualQoS",
     "active_copy",
+    "pool_process_index",
     "after_poll_reply",
     "consume_order",
     "fetch_source_keys",
@@ -217,6 +218,18 @@ def active_copy(task_id: str) -> bool:
         return any(getattr(request, "id", None) == task_id for request in list(active or ()))
     except TypeError:
         return False
+
+
+def pool_process_index() -> int | None:
+    """This prefork pool process's index (0 to concurrency - 1, reused by a process that
+    replaces it): billiard sets ``index`` on each pool process before it starts, what Celery's
+    ``%I`` log-file format reads. None outside a pool process, or where billiard has none."""
+    try:
+        from billiard.process import current_process
+    except ImportError:  # pragma: no cover - billiard comes with Celery
+        return None
+    index = getattr(current_process(), "index", None)
+    return index if isinstance(index, int) and not isinstance(index, bool) else None
 
 
 def forget_pending(task: Any, task_id: str) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-from . import _compat
+from . import _compat, holders
 from ._message import HEADER, carried_key, is_off
 
 __all__ = ["forget", "header_key", "lookup", "receive", "received_header", "record"]
@@ -28,8 +28,10 @@ _received: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
 
 
 def record(task_id: str, name: str, key: str) -> None:
-    """``task_id`` (of task ``name``) claimed ``key`` in this process."""
+    """``task_id`` (of task ``name``) claimed ``key`` in this process (and, in a pool
+    process, its slot in :mod:`~taskdedup.celery.holders` says so)."""
     _claimed[task_id] = (name, key)
+    holders.hold(task_id)
 
 
 def lookup(task_id: str | None, name: str) -> str | None:
@@ -41,7 +43,8 @@ def lookup(task_id: str | None, name: str) -> str | None:
 def forget(task_id: str | None) -> None:
     """The lock of ``task_id`` was completed or released: drop its entry."""
     if task_id:
-        _claimed.pop(task_id, None)
+        if _claimed.pop(task_id, None) is not None:
+            holders.clear(task_id)
 
 
 def receive(request: Any) -> None:

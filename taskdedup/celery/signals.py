@@ -20,7 +20,7 @@ from .. import running, stats
 from ..events import logger
 from ..policy import Mode
 from ..stores import trail
-from . import _compat, ahead, claims
+from . import _compat, ahead, claims, holders
 from ._message import (
     COMPLETED_ATTR,
     HEADER,
@@ -75,10 +75,10 @@ def _on_failure(
     """A final failure. In the pool process that ran it: release the lock this execution
     claimed, or only the reservation (``queued``) of one that failed before its claim — a
     ``running`` lock of its id is another copy's. In the worker's main process, for a pool
-    process it lost (``WorkerLostError``, a hard time limit): release by id, unless another
-    copy of the message runs on this worker now — the dead process may have held only a copy
-    being put off, and the lock is then the live copy's; a lock the dead process held
-    lapses within its lease (its heartbeat died with it)."""
+    process it lost (``WorkerLostError``, a hard time limit): the same, the claim read from
+    :mod:`~taskdedup.celery.holders` — the dead process may have held only a copy being put
+    off, and the ``running`` lock is then the live copy's; a lock the dead process held but
+    did not record lapses within its lease (its heartbeat died with it)."""
     task = _dedup_task(sender)
     if task is None or task_id is None:
         return
@@ -93,13 +93,25 @@ def _on_failure(
     claims.forget(task_id)
     if not key:
         return
-    if lost and _compat.active_copy(task_id):
-        logger.info("taskdedup: %s[%s]: its pool process was lost while another copy of its "
-                    "message runs on this worker: the lock stays with that copy (a lock the "
-                    "lost process held lapses within its lease)", task.name, task_id)
-        return
+    held = _lost_held(task_id, exception) if lost else claimed
+    if lost and not held:
+        logger.info("taskdedup: %s[%s]: its pool process was lost without holding the lock "
+                    "(another copy of its message may): only a reservation still queued by "
+                    "this id is released (a lock the lost process did hold lapses within "
+                    "its lease)", task.name, task_id)
     get_deduplicator(task.app).release(task.name, key, task_id, reason="failed",
-                                       only_queued=not lost and not claimed)
+                                       only_queued=not held)
+
+
+def _lost_held(task_id: str, exception: Any) -> bool:
+    """Whether the pool process the main process lost running ``task_id`` held its lock:
+    what its slot in :mod:`~taskdedup.celery.holders` says for a lost process; where that
+    cannot tell (a hard time limit, no table), unless another copy of the id runs on this
+    worker now."""
+    held = holders.lost_held(task_id) if isinstance(exception, WorkerLostError) else None
+    if held is not None:
+        return held
+    return not _compat.active_copy(task_id)
 
 
 def _on_internal_error(
@@ -228,6 +240,7 @@ signals.task_postrun.connect(_on_postrun, weak=False)
 def _on_worker_init(sender: Any = None, **_: Any) -> None:
     """A worker starts, before it connects: with ``taskdedup_reliable_fetch``, it consumes
     through taskdedup's transport (:func:`~taskdedup.celery.config.use_reliable_fetch`)."""
+    holders.open_table()  # before the pool forks: its processes say what they hold
     app = getattr(sender, "app", None)
     if app is not None:
         use_reliable_fetch(app, getattr(sender, "hostname", None))

@@ -50,7 +50,7 @@ from ..policy import MAX_DURATION_MS, OnDuplicate, Policy, is_disabled
 from ..running import Running
 from ..stores.base import LockState, Outcome
 from ..stores.redis import may_have_run, refused
-from . import _compat, claims, eager
+from . import _compat, claims, eager, holders
 from . import ahead as claimed_ahead
 from . import limits as task_limits
 from ._message import (
@@ -638,6 +638,7 @@ class DedupTask(Task):  # type: ignore[misc]
         later = not (request.is_eager or self._outcome_seen(request))
         get_deduplicator(self.app).finish(self.name, policy, str(key), request.id,
                                           success=True, later=later)
+        holders.clear(request.id)  # a loss from here on is not this lock's
 
     def _release_failed(self, request: Any) -> None:
         """The body raised (not a retry, ``Ignore`` or ``Reject``): Celery records a FAILURE
@@ -649,6 +650,7 @@ class DedupTask(Task):  # type: ignore[misc]
             return
         setattr(request, RELEASED_ATTR, True)
         get_deduplicator(self.app).release(self.name, str(key), request.id, reason="failed")
+        holders.clear(request.id)
 
     def _outcome_seen(self, request: Any) -> bool:
         """Whether this execution's outcome reaches anyone once the body returns: a result
