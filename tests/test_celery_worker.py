@@ -137,40 +137,40 @@ def test_failure_releases_the_key_so_the_same_call_runs_again(capp: Any, rc: red
     assert effects(rc, name) == ["1", "2"]
 
 
+def _dropped_after_the_outcome(task: Any, calls: int, failing: bool) -> list[str]:
+    """Make ``calls`` calls, each followed — once ``.get()`` has returned (or raised, for a
+    ``failing`` first run) — by the same call again; the names whose second call was
+    dropped as a duplicate of the first (it returned the first's id)."""
+    dropped = []
+    for n in range(calls):
+        name = f"{label()}-{n}"
+        first = task.delay(name)
+        if failing:
+            with pytest.raises(RuntimeError):
+                first.get(timeout=30)
+        else:
+            assert first.get(timeout=30) == name
+        second = task.delay(name)
+        if second.id == first.id:
+            dropped.append(name)
+        else:
+            assert second.get(timeout=30) == name
+    return dropped
+
+
 def test_a_call_made_once_the_result_is_seen_runs_again(capp: Any, rc: redis.Redis) -> None:
     """until_executed: once ``.get()`` has returned the result, the task has executed and its
     identity is free: the same call made right then runs (it is not dropped as a duplicate of
     a lock whose completion is still on its way). Before the fix 17 of 200 were dropped here
     (prefork), 2 of 200 on a solo pool: the completion followed the stored result."""
-    dropped = []
-    for n in range(100):
-        name = f"{label()}-{n}"
-        first = capp.record_until_executed.delay(name)
-        assert first.get(timeout=30) == name
-        second = capp.record_until_executed.delay(name)
-        if second.id == first.id:
-            dropped.append(name)
-        else:
-            assert second.get(timeout=30) == name
-    assert dropped == []
+    assert _dropped_after_the_outcome(capp.record_until_executed, 100, failing=False) == []
 
 
 def test_a_call_made_once_the_failure_is_seen_runs_again(capp: Any, rc: redis.Redis) -> None:
     """The same for a final failure: once ``.get()`` has raised, the lock is released and
     the caller's new call runs (Celery stores the FAILURE before ``task_failure``: the lock
     was released from there, after the caller could see it)."""
-    dropped = []
-    for n in range(60):
-        name = f"{label()}-{n}"
-        first = capp.fail_first.delay(name)
-        with pytest.raises(RuntimeError):
-            first.get(timeout=30)
-        second = capp.fail_first.delay(name)
-        if second.id == first.id:
-            dropped.append(name)
-        else:
-            assert second.get(timeout=30) == name
-    assert dropped == []
+    assert _dropped_after_the_outcome(capp.fail_first, 60, failing=True) == []
 
 
 def test_a_chain_of_one_identity_runs_each_step_in_turn(capp: Any, rc: redis.Redis) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -17,12 +18,17 @@ def sample(registry: CollectorRegistry, name: str, **labels: str) -> float:
     return 0.0 if value is None else value
 
 
-def test_listener_counts_events_by_task_and_event() -> None:
+def _attached() -> tuple[CollectorRegistry, Deduplicator, Policy, Any]:
+    """A deduplicator exporting to a registry of its own, and one identity of app.charge."""
     registry = CollectorRegistry()
     dedup = Deduplicator(MemoryStore())
     attach(dedup, registry)
     policy = Policy()
-    identity = dedup.identity("app.charge", policy, (42,))
+    return registry, dedup, policy, dedup.identity("app.charge", policy, (42,))
+
+
+def test_listener_counts_events_by_task_and_event() -> None:
+    registry, dedup, policy, identity = _attached()
     dedup.gate("app.charge", policy, identity, "id-1")
     dedup.gate("app.charge", policy, identity, "id-2")
     dedup.gate("app.charge", policy, identity, "id-3")
@@ -42,11 +48,7 @@ def test_listener_counts_events_by_task_and_event() -> None:
 def test_a_retry_reserving_again_is_not_counted_as_a_new_enqueue() -> None:
     """The retry of an accepted call re-reserves its lock (``reserved`` with detail
     ``retry``): ``reserved`` counts new enqueues only, as ``taskdedup stats`` does."""
-    registry = CollectorRegistry()
-    dedup = Deduplicator(MemoryStore())
-    attach(dedup, registry)
-    policy = Policy()
-    identity = dedup.identity("app.charge", policy, (42,))
+    registry, dedup, policy, identity = _attached()
     dedup.gate("app.charge", policy, identity, "id-1")
     dedup.start("app.charge", policy, identity.key, "id-1")
     dedup.gate("app.charge", policy, identity, "id-1", again="retry")
