@@ -336,7 +336,10 @@ def test_clear_yes_skips_confirmation_and_deletes_only_matching_locks(
     everything = run("clear", "--all", "--yes")
     assert everything.exit_code == 0
     left = {k.decode() for k in redis_client.scan_iter(match="taskdedup:*")}
-    assert left == {"taskdedup:stats:app.charge", "taskdedup:stats:app.mail"}  # stats kept
+    # every lock gone, the stats kept (a stats flush of an earlier test's deduplicator in
+    # this process may add its own task's counters: stats, not locks)
+    assert {k for k in left if not k.startswith("taskdedup:stats:")} == set()
+    assert {"taskdedup:stats:app.charge", "taskdedup:stats:app.mail"} <= left
 
 
 def test_clear_refuses_to_run_with_nothing_or_too_much_selected(
