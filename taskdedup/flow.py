@@ -30,6 +30,7 @@ from .events import Event, logger
 from .exceptions import ConfigurationError, StoreUnavailableError
 from .policy import Policy
 from .stores.base import LockState
+from .stores.owners import owner_text
 from .stores.redis import RedisStore
 from .stores.redis import _result as _lock_result
 from .stores.scripts import source as lua_source
@@ -168,6 +169,12 @@ def _text(value: Any) -> str | None:
     return value.decode("utf-8", "surrogateescape") if isinstance(value, bytes) else str(value)
 
 
+def _owner(value: Any) -> str | None:
+    """An owner in a script's reply, as the task id it names (either stored form)."""
+    text = _text(value)
+    return None if text is None else owner_text(text)
+
+
 def _state(value: Any) -> LockState | None:
     text = _text(value)
     return _STATE.get(text) if text else None
@@ -188,7 +195,8 @@ def coalesce(
     started = time.perf_counter()
     key = identity.key
     try:
-        reply = _run(dedup, name, "coalesce", [key, follow_up_key(dedup, key)], owner, ttl_ms,
+        reply = _run(dedup, name, "coalesce", [key, follow_up_key(dedup, key)],
+                     _store(dedup, name).stored_owner(owner), ttl_ms,
                      identity.check, "1" if fresh else "0")
     except StoreUnavailableError as exc:
         result = dedup.store_error(name, policy, key, owner, exc, "enqueue")
@@ -198,7 +206,7 @@ def coalesce(
         answer: GateResult = dedup.verdict(name, identity, owner, _lock_result(reply[:3]),
                                            time.perf_counter() - started)
         return Flow(answer.verdict, answer.existing_id, answer.state)
-    follow = _text(reply[2]) or owner
+    follow = _owner(reply[2]) or owner
     coalesced(dedup, name, key, owner, follow, int(reply[3]), time.perf_counter() - started)
     return Flow(Verdict.COALESCED, follow, _state(reply[1]) if _text(reply[1]) != "N" else None,
                 int(reply[3]))
@@ -250,14 +258,15 @@ def claim(
         dedup.check_store()
     try:
         if follow_up:
-            reply = _run(dedup, name, "follow_up", [key, follow_up_key(dedup, key)], owner,
-                         policy.lease_ms, generation, policy.ttl_ms)
+            reply = _run(dedup, name, "follow_up", [key, follow_up_key(dedup, key)],
+                         _store(dedup, name).stored_owner(owner), policy.lease_ms, generation,
+                         policy.ttl_ms)
         else:
-            reply = _run(dedup, name, "debounced", [key, debounce_key(dedup, key)], owner,
-                         policy.lease_ms, generation)
+            reply = _run(dedup, name, "debounced", [key, debounce_key(dedup, key)],
+                         _store(dedup, name).stored_owner(owner), policy.lease_ms, generation)
     except StoreUnavailableError as exc:
         return dedup.store_error(name, policy, key, owner, exc, "start")
-    code, state, holder = int(reply[0]), _state(reply[1]), _text(reply[2])
+    code, state, holder = int(reply[0]), _state(reply[1]), _owner(reply[2])
     if code == 1:
         dedup._emit(Event.CLAIMED, name, key, owner)
         dedup.heartbeat().add(name, key, owner, policy.lease_ms)

@@ -25,6 +25,7 @@ from ..core import DEFAULT_PREFIX, Deduplicator
 from ..events import logger
 from ..exceptions import ConfigurationError
 from ..stores.base import Store
+from ..stores.owners import compact_setting
 from ..stores.redis import RedisStore
 from . import _compat
 from .fetch import DEFAULT_LEASE, DEFAULT_POLL
@@ -311,7 +312,7 @@ def _store_for(app: Celery) -> Store:
         if isinstance(ready, Store):
             return ready
         if isinstance(ready, redis.Redis):
-            return RedisStore(ready)
+            return RedisStore(ready, compact_owners=_compact(conf))
         raise ConfigurationError(
             f"app.conf.taskdedup_store must be a taskdedup Store or a redis.Redis client, "
             f"got {type(ready).__name__}"
@@ -327,4 +328,9 @@ def _store_for(app: Celery) -> Store:
             "(or the TASKDEDUP_URL environment variable) to a redis:// URL; the broker "
             f"({(conf.broker_url or 'unset').split('://', 1)[0]}://) is not Redis"
         )
-    return RedisStore.from_url(str(url))
+    return RedisStore.from_url(str(url), compact_owners=_compact(conf))
+
+
+def _compact(conf: Any) -> bool:
+    """``taskdedup_compact_owners``, else ``TASKDEDUP_COMPACT_OWNERS`` (off by default)."""
+    return compact_setting(conf.get("taskdedup_compact_owners"))

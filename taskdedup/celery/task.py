@@ -352,7 +352,8 @@ class DedupTask(Task):  # type: ignore[misc]
         nothing and is published again as the follow-up's message."""
         fused = Fused(identity.key, task_id, ttl_ms, identity.check,
                       policy.on_duplicate is OnDuplicate.REPLACE, fresh=fresh,
-                      follow_up=follow_up)
+                      follow_up=follow_up, compact=getattr(
+                          get_deduplicator(self.app).store, "compact_owners", False))
         token = FUSED.set(fused)
         started = time.perf_counter()
         failure: StoreUnavailableError | None = None

@@ -60,6 +60,8 @@ class Fused:
     """``on_duplicate="coalesce"``: the follow-up record's key (SPEC §15); a COALESCED answer
     pushes nothing and leaves the follow-up's generation in :attr:`generation`."""
     generation: int = 0
+    compact: bool = False
+    """The lock store writes compact owners (:attr:`RedisStore.compact_owners`)."""
 
     def run(self, client: redis.Redis, commands: list[tuple[Any, ...]]) -> None:
         """Reserve and, if the gate lets the message through, run ``commands``: one script.
@@ -74,7 +76,8 @@ class Fused:
                                                  self.check, self.replace, commands,
                                                  resent=target in self.unsure,
                                                  fresh=self.fresh, window=probe_for(self.key),
-                                                 follow_up=self.follow_up)
+                                                 follow_up=self.follow_up,
+                                                 compact_owners=self.compact)
         except StoreUnavailableError as exc:
             cause = exc.__cause__
             if may_have_run(exc) and isinstance(cause, redis.RedisError):

@@ -13,6 +13,7 @@ from .. import stats
 from ..core import DEFAULT_PREFIX, Deduplicator
 from ..exceptions import ConfigurationError
 from ..stores.base import Store
+from ..stores.owners import compact_setting
 from ..stores.redis import RedisStore
 
 __all__ = ["get_deduplicator"]
@@ -47,13 +48,15 @@ def get_deduplicator(
     if url is not None:
         dedup = _by_url.get((url, prefix))
         if dedup is None:
-            dedup = _by_url[(url, prefix)] = _new_deduplicator(RedisStore.from_url(url), prefix)
+            dedup = _by_url[(url, prefix)] = _new_deduplicator(
+                RedisStore.from_url(url, compact_owners=compact_setting()), prefix)
         return dedup
     client = store if isinstance(store, redis.Redis) else connection
     per_prefix = _by_client.setdefault(client, {})
     dedup = per_prefix.get(prefix)
     if dedup is None:
-        dedup = per_prefix[prefix] = _new_deduplicator(RedisStore(client), prefix)
+        dedup = per_prefix[prefix] = _new_deduplicator(
+            RedisStore(client, compact_owners=compact_setting()), prefix)
     return dedup
 
 

@@ -420,7 +420,9 @@ class DedupQueue(Queue):
                 lock, peeked = reserve_and_run(self.connection, identity.key, owner, ttl_ms,
                                                identity.check, replace, commands, peek,
                                                window=window_probe(policy, identity.key),
-                                               follow_up=record, guard=guard)
+                                               follow_up=record, guard=guard,
+                                               compact_owners=getattr(
+                                                   self.dedup.store, "compact_owners", False))
             except StoreUnavailableError as exc:
                 if may_have_run(exc):  # the queue's Redis is unreachable: as a plain enqueue
                     raise

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .base import LockInfo, LockResult, LockState, Outcome, Remembered
+from .owners import COMPACT_MARK, looks_compact, owner_text
 
 if TYPE_CHECKING:
     from ..approximate import Probe
@@ -58,13 +59,19 @@ def parse_value(raw: str | bytes | None) -> _Parsed | None:
     if match is None:
         return None
     state, check, owner = match.groups()
-    return _STATES[state], check, owner
+    return _STATES[state], check, owner_text(owner)
 
 
 def check_owner(owner: str) -> None:
-    """Refuse an owner that cannot be stored: it must be a non-empty ``str``."""
+    """Refuse an owner that cannot be stored: it must be a non-empty ``str``, and not one
+    that reads as a compact owner (``~`` and 22 base64url characters: every reader would
+    take it for the UUID it encodes, :mod:`taskdedup.stores.owners`)."""
     if not isinstance(owner, str) or not owner:
         raise ValueError(f"owner must be a non-empty task id string, got {owner!r}")
+    if owner[0] == COMPACT_MARK and looks_compact(owner):
+        raise ValueError(
+            f"task id {owner!r} has the form taskdedup stores a UUID in (~ and 22 base64url "
+            "characters) and would be read as that UUID: use another id")
 
 
 def check_ms(name: str, value: int, *, allow_zero: bool = False) -> None:

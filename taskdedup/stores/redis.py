@@ -47,6 +47,7 @@ from . import scripts, server
 from ._compat import NEVER_DECODE, raw_exchange
 from .base import LockInfo, LockResult, LockState, Outcome, Remembered
 from .memory import check_check, check_ms, check_owner, parse_value
+from .owners import compact_owner, owner_text
 from .trail import Trails
 
 logger = logging.getLogger("taskdedup")
@@ -115,7 +116,7 @@ def _result(reply: Any) -> LockResult:
             return _BARE[code]
         # an approximate window's filter remembers the identity: done, by an unknown id
         return LockResult(_OUTCOMES[code], None, _STATES[state])
-    return LockResult(_OUTCOMES[code], _text(owner), _STATES[state])
+    return LockResult(_OUTCOMES[code], owner_text(_text(owner)), _STATES[state])
 
 
 def _now_ms() -> int:
@@ -243,8 +244,11 @@ class RedisStore:
     #: reserve_many sends at most this many items per pipeline round trip.
     bulk_chunk = 10_000
 
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: redis.Redis, *, compact_owners: bool = False) -> None:
         self.client = client
+        self.compact_owners = compact_owners
+        """Write UUID owners compact (:mod:`.owners`); both forms are read either way."""
+        self._stored: Callable[[str], str] = compact_owner if compact_owners else str
         # register_script is local (it only hashes the source); nothing is sent until used.
         self._scripts: dict[str, Script] = {
             name: client.register_script(source) for name, source in SCRIPTS.items()
@@ -266,14 +270,16 @@ class RedisStore:
             self._take_connection, self._give_back, _pack, self._redo)
 
     @classmethod
-    def from_url(cls, url: str, **client_kwargs: Any) -> RedisStore:
+    def from_url(cls, url: str, *, compact_owners: bool = False,
+                 **client_kwargs: Any) -> RedisStore:
         """A store on a new client for ``url``.
 
         Accepts ``redis://``, ``rediss://`` (TLS), ``unix://``, and ``valkey://`` /
         ``valkeys://`` (rewritten to ``redis://`` / ``rediss://``). ``client_kwargs`` go to
         ``redis.Redis.from_url``; unless given, ``socket_timeout=5``,
         ``socket_connect_timeout=5`` and ``health_check_interval=30`` so a dead server is
-        reported in seconds rather than hanging a producer.
+        reported in seconds rather than hanging a producer. ``compact_owners``: write UUID
+        owners compact (:mod:`taskdedup.stores.owners`).
 
         Raises:
             ConfigurationError: the URL has another scheme or cannot be parsed.
@@ -292,7 +298,12 @@ class RedisStore:
             client = redis.Redis.from_url(f"{target}://{rest}", **client_kwargs)
         except ValueError as exc:
             raise ConfigurationError(f"invalid store URL {redact_url(url)!r}: {exc}") from exc
-        return cls(client)
+        return cls(client, compact_owners=compact_owners)
+
+    def stored_owner(self, owner: str) -> str:
+        """``owner`` as this store writes it into a lock (compact or as given), for callers
+        that send a lock script themselves (:func:`reserve_and_run`, :mod:`taskdedup.flow`)."""
+        return self._stored(owner)
 
     def __repr__(self) -> str:
         return f"<RedisStore {describe_client(self.client)}>"
@@ -387,8 +398,9 @@ class RedisStore:
         check_owner(owner)
         check_ms("ttl_ms", ttl_ms)
         check_check(check)
-        return _result(self._eval_window(self._reserve, "reserve", key, window, owner, ttl_ms,
-                                         check, "1" if fresh else "0"))
+        return _result(self._eval_window(self._reserve, "reserve", key, window,
+                                         self._stored(owner), ttl_ms, check,
+                                         "1" if fresh else "0"))
 
     def send_reserve(
         self, key: str, owner: str, ttl_ms: int, check: str = "", *, fresh: bool = False,
@@ -411,8 +423,8 @@ class RedisStore:
         if check:  # "" (no explicit key) needs no pattern
             check_check(check)
         script = self._replace if replace else self._reserve
-        return self._send(script, "replace" if replace else "reserve", key, owner, ttl_ms,
-                          check, "1" if fresh else "0")
+        return self._send(script, "replace" if replace else "reserve", key,
+                          self._stored(owner), ttl_ms, check, "1" if fresh else "0")
 
     def send_claim(self, key: str, owner: str, lease_ms: int) -> SentClaim | SentReserve | None:
         """Send :meth:`claim` (no approximate window) without waiting for its reply, so the
@@ -426,14 +438,14 @@ class RedisStore:
         check_owner(owner)
         check_ms("lease_ms", lease_ms)
         if self._trails is None:  # completions wait for their replies: nothing owed
-            return self._send(self._claim, "claim", key, owner, lease_ms)
+            return self._send(self._claim, "claim", key, self._stored(owner), lease_ms)
         return self._trail_claim(key, owner, lease_ms)  # not sent: read() makes the call
 
     def _trail_claim(self, key: str, owner: str, lease_ms: int) -> SentClaim:
         """A claim sent on this thread's trail, behind its completions."""
         sent = SentClaim(self, key, owner, lease_ms)
         sent.trail = self._trails.send(  # type: ignore[union-attr]
-            ("EVALSHA", self._claim.sha, 1, key, owner, lease_ms), sent.reply)
+            ("EVALSHA", self._claim.sha, 1, key, self._stored(owner), lease_ms), sent.reply)
         return sent
 
     def _send(self, script: Script, action: str, key: str, *args: str | int) -> SentReserve:
@@ -476,8 +488,9 @@ class RedisStore:
         check_owner(owner)
         check_ms("ttl_ms", ttl_ms)
         check_check(check)
-        return _result(self._eval_window(self._replace, "replace", key, window, owner, ttl_ms,
-                                         check, "1" if fresh else "0"))
+        return _result(self._eval_window(self._replace, "replace", key, window,
+                                         self._stored(owner), ttl_ms, check,
+                                         "1" if fresh else "0"))
 
     def claim(
         self, key: str, owner: str, lease_ms: int, *, window: Probe | None = None
@@ -491,7 +504,8 @@ class RedisStore:
                 if sent.trail is not None:
                     return sent.read()
             self._trails.settle_mine()  # the last completion's reply, arrived meanwhile
-        return _result(self._eval_window(self._claim, "claim", key, window, owner, lease_ms))
+        return _result(self._eval_window(self._claim, "claim", key, window,
+                                         self._stored(owner), lease_ms))
 
     def remember(
         self, key: str, owner: str, window: Probe, *, finished_ms: int = 0
@@ -502,7 +516,8 @@ class RedisStore:
         for an explicit key), in one script (``complete.lua``)."""
         check_owner(owner)
         check_ms("finished_ms", finished_ms, allow_zero=True)
-        reply = self._eval_window(self._complete, "complete", key, window, owner, finished_ms)
+        reply = self._eval_window(self._complete, "complete", key, window,
+                                  self._stored(owner), finished_ms)
         if isinstance(reply, list):
             return Remembered(_OUTCOMES[reply[0]], int(reply[1]), bool(reply[2]),
                               int(reply[3]))
@@ -512,12 +527,14 @@ class RedisStore:
         """See :meth:`taskdedup.stores.Store.heartbeat`."""
         check_owner(owner)
         check_ms("lease_ms", lease_ms)
-        return _OUTCOMES[self._eval(self._heartbeat, "renew the lease of", key, owner, lease_ms)]
+        return _OUTCOMES[self._eval(self._heartbeat, "renew the lease of", key,
+                                    self._stored(owner), lease_ms)]
 
     def complete(self, key: str, owner: str, ttl_ms: int, *, finished_ms: int = 0) -> Outcome:
         """See :meth:`taskdedup.stores.Store.complete`."""
         check_owner(owner)
         check_ms("ttl_ms", ttl_ms, allow_zero=True)
+        owner = self._stored(owner)
         if finished_ms:
             check_ms("finished_ms", finished_ms)
             return _OUTCOMES[self._eval(self._complete, "complete", key, owner, ttl_ms,
@@ -548,6 +565,7 @@ class RedisStore:
             except RedisError:
                 return False
             self._complete_loaded = True
+        owner = self._stored(owner)
         args: tuple[Any, ...] = (owner, ttl_ms)
         if finished_ms:
             check_ms("finished_ms", finished_ms)
@@ -575,7 +593,7 @@ class RedisStore:
         """See :meth:`taskdedup.stores.Store.release`."""
         check_owner(owner)
         only = "Q" if only_queued else ""
-        return _OUTCOMES[self._eval(self._release, "release", key, owner, only)]
+        return _OUTCOMES[self._eval(self._release, "release", key, self._stored(owner), only)]
 
     # -- per-key limits (SPEC §16: taskdedup.limits) -----------------------------------------
 
@@ -674,12 +692,14 @@ class RedisStore:
         results: list[LockResult | None] = [None] * len(items)
         pending: Sequence[int] = range(len(items))
         # KEYS and ARGV per item: the lock (and a window's slice keys), then the arguments
-        calls: list[tuple[Any, ...]] = [(1, *item, flag) for item in items]
+        stored = self._stored
+        calls: list[tuple[Any, ...]] = [(1, key, stored(owner), ttl_ms, check, flag)
+                                        for key, owner, ttl_ms, check in items]
 
         def windowed(index: int, window: Probe) -> tuple[Any, ...]:
             key, owner, ttl_ms, check = items[index]
             keys, extra = window_keys(key, window)
-            return (len(keys), *keys, owner, ttl_ms, check, flag, *extra)
+            return (len(keys), *keys, stored(owner), ttl_ms, check, flag, *extra)
 
         for index, window in enumerate(windows or ()):
             if window is not None:
@@ -976,7 +996,7 @@ def reserve_and_run(
     client: redis.Redis, key: str, owner: str, ttl_ms: int, check: str, replace: bool,
     commands: Sequence[Sequence[Any]], peek: str = "", *, resent: bool = False,
     fresh: bool = False, window: Probe | None = None, follow_up: str | None = None,
-    guard: bool = False,
+    guard: bool = False, compact_owners: bool = False,
 ) -> tuple[LockResult, list[Any] | None]:
     """Reserve ``key`` (or replace, as :meth:`RedisStore.replace`) and, when the gate lets the
     call through, run ``commands`` (the broker's own enqueue: a push, a job write) —
@@ -1001,7 +1021,8 @@ def reserve_and_run(
     second item then ``[its generation]`` (:mod:`taskdedup.flow`). With ``guard`` (RQ's
     explicit job id; needs ``peek``), a job ``peek + owner`` that exists and has not ended is
     answered ``ALIVE`` (owner: that id) with its hash, before any gate or command: the check
-    an HGET of its status would make first, in the same round trip.
+    an HGET of its status would make first, in the same round trip. ``compact_owners``: the
+    lock store's option (:attr:`RedisStore.compact_owners`): ``owner`` is written compact.
 
     Raises:
         StoreUnavailableError: the script could not run, or one of ``commands`` failed (then
@@ -1010,6 +1031,8 @@ def reserve_and_run(
     check_owner(owner)
     check_ms("ttl_ms", ttl_ms)
     check_check(check)
+    if compact_owners:
+        owner = compact_owner(owner)
     if resent:
         if peek:
             raise ValueError("reserve_and_run: peek and resent exclude each other")
@@ -1045,8 +1068,8 @@ def reserve_and_run(
     else:
         raise _clock_error(key)
     if reply[0] == Outcome.COALESCED:
-        return LockResult(Outcome.COALESCED, _text(reply[2])), [int(reply[3])]
+        return LockResult(Outcome.COALESCED, owner_text(_text(reply[2]))), [int(reply[3])]
     if reply[0] == Outcome.ALIVE:
-        return LockResult(Outcome.ALIVE, _text(reply[2])), reply[3]
+        return LockResult(Outcome.ALIVE, owner_text(_text(reply[2]))), reply[3]
     peeked = reply[3] if len(reply) > 3 else None
     return _result(reply[:3]), peeked

@@ -26,6 +26,50 @@ local function parse(v)
   return state, check, owner
 end
 
+-- owner_text(o): the task id an owner names. A compact owner ("~" and a UUID's 16 bytes in
+-- 22 base64url characters, written by a store with compact owners) is that UUID's text; any
+-- other owner is itself.
+local function owner_text(o)
+  if type(o) ~= 'string' or #o ~= 23 or string.byte(o, 1) ~= 126 then
+    return o
+  end
+  local alphabet = 'ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_'
+  local digits = '0123456789abcdef'
+  local hex, acc, bits = {}, 0, 0
+  for i = 2, 23 do
+    local v = string.find(alphabet, string.sub(o, i, i), 1, true)
+    if not v then
+      return o
+    end
+    acc, bits = acc * 64 + v - 1, bits + 6
+    while bits >= 4 do
+      bits = bits - 4
+      local d = math.floor(acc / 2 ^ bits)
+      acc = acc - d * 2 ^ bits
+      hex[#hex + 1] = string.sub(digits, d + 1, d + 1)
+    end
+  end
+  if hex[33] ~= '0' then
+    return o  -- not the padding of 16 bytes: not a compact owner
+  end
+  local t = table.concat(hex, '', 1, 32)
+  return string.sub(t, 1, 8) .. '-' .. string.sub(t, 9, 12) .. '-' .. string.sub(t, 13, 16)
+    .. '-' .. string.sub(t, 17, 20) .. '-' .. string.sub(t, 21, 32)
+end
+
+-- same(a, b): whether two owners name one task id, whichever form each was written in (a
+-- store that writes compact owners and one that writes text share every lock). Equal
+-- strings, or a compact and a text owner of one UUID; only the second decodes anything.
+local function same(a, b)
+  if a == b then
+    return true
+  end
+  if type(a) ~= 'string' or type(b) ~= 'string' or #a == #b then
+    return false
+  end
+  return owner_text(a) == owner_text(b)
+end
+
 -- Approximate windows (SPEC §12). The server's clock (TIME) decides which slices are live,
 -- which one is current and when a slice expires. A window argument is
 -- "first:slice_ms:ttl_ms:m:k:slices:p1,p2,...": KEYS[2..] are the slice bitmaps of indices
@@ -138,7 +182,7 @@ end
 -- check kept); anything else -> DUPLICATE with the state and owner found.
 local function claim(key, owner, lease_ms, value, positions)
   local state, held_check, held_owner = parse(value)
-  if state == 'F' and held_owner ~= owner then
+  if state == 'F' and not same(held_owner, owner) then
     value = false  -- another call's tombstone: the identity is free
   end
   if not value then
@@ -152,7 +196,7 @@ local function claim(key, owner, lease_ms, value, positions)
   if not state then
     return {2, false, false}
   end
-  if held_owner == owner and state == 'Q' then
+  if state == 'Q' and same(held_owner, owner) then
     redis.call('SET', key, 'R|' .. held_check .. '|' .. owner, 'PX', lease_ms)
     return {1, false, false}
   end
@@ -189,7 +233,7 @@ local function gate(key, owner, ttl_ms, check, replace, fresh, value, positions)
     value = read(key)
   end
   local state, held_check, held_owner = parse(value)
-  if state == 'F' and held_owner ~= owner then
+  if state == 'F' and not same(held_owner, owner) then
     value = false  -- another call's tombstone: the identity is free
   end
   if not value then
@@ -203,7 +247,7 @@ local function gate(key, owner, ttl_ms, check, replace, fresh, value, positions)
   if not state then
     return {2, false, false}
   end
-  if held_owner == owner then
+  if same(held_owner, owner) then
     if state == 'D' or state == 'F' or fresh then
       return {2, state, held_owner}
     end

@@ -30,7 +30,7 @@ if next_id ~= '' then
 end
 local value = read(KEYS[1])
 local state, _, held_owner = parse(value)
-if state == 'R' and held_owner ~= ARGV[1] then
+if state == 'R' and not same(held_owner, ARGV[1]) then
   gen = gen + 1
   redis.call('SET', KEYS[2], gen .. '|' .. ARGV[1], 'PX', keep)
   return {7, 'R', ARGV[1], gen}

@@ -36,7 +36,7 @@ local key = KEYS[1]
 local owner, ttl_ms = ARGV[1], ARGV[2]
 
 local state, held_check, held_owner = parse(read(key))
-if not state or held_owner ~= owner then
+if not state or not same(held_owner, owner) then
   return 5
 end
 if state ~= 'R' then

@@ -18,7 +18,7 @@
 local owner, lease_ms = ARGV[1], ARGV[2]
 local value = read(KEYS[1])
 local state, _, held_owner = parse(value)
-if state and held_owner == owner and state ~= 'Q' then
+if state and state ~= 'Q' and same(held_owner, owner) then
   return {2, state, held_owner}
 end
 local record = redis.call('GET', KEYS[2])

@@ -42,7 +42,7 @@
 local DEAD = {finished = true, failed = true, stopped = true, canceled = true}
 
 if string.sub(ARGV[4], 4, 4) == '1' then
-  local job = ARGV[5] .. ARGV[1]
+  local job = ARGV[5] .. owner_text(ARGV[1])
   local status = redis.call('HGET', job, 'status')
   if status and not DEAD[status] then
     return {8, false, ARGV[1], redis.call('HGETALL', job)}
@@ -53,13 +53,13 @@ local value = read(KEYS[1])
 local resent = ARGV[5] == '='
 if ARGV[5] ~= '' then
   local held_state, _, held_owner = parse(value)
-  if held_owner == ARGV[1] then
+  if same(held_owner, ARGV[1]) then
     if resent then
       if held_state == 'Q' then
         return {1, false, false}  -- this very call, sent again: its push is queued
       end
     else
-      local status = redis.call('HGET', ARGV[5] .. ARGV[1], 'status')
+      local status = redis.call('HGET', ARGV[5] .. owner_text(ARGV[1]), 'status')
       if status and not DEAD[status] then
         return {1, false, false}  -- this very call, sent again: the lock and the job are there
       end
@@ -69,15 +69,15 @@ end
 if string.sub(ARGV[4], 3, 3) == '1' then
   local gen, next_id = follow_up_record(KEYS[2])
   local held_state, _, held_owner = parse(value)
-  if next_id == '' and held_state == 'R' and held_owner ~= ARGV[1] then
+  if next_id == '' and held_state == 'R' and not same(held_owner, ARGV[1]) then
     next_id = ARGV[1]
   end
   if next_id ~= '' then
     local keep = tonumber(ARGV[2])
     local pttl = redis.call('PTTL', KEYS[2])
-    if next_id ~= ARGV[1] and pttl > keep then keep = pttl end
+    if not same(next_id, ARGV[1]) and pttl > keep then keep = pttl end
     redis.call('SET', KEYS[2], (gen + 1) .. '|' .. next_id, 'PX', keep)
-    return {7, next_id == ARGV[1] and 'R' or 'N', next_id, gen + 1}
+    return {7, same(next_id, ARGV[1]) and 'R' or 'N', next_id, gen + 1}
   end
 end
 local result = gate(KEYS[1], ARGV[1], ARGV[2], ARGV[3], string.sub(ARGV[4], 1, 1) == '1',
@@ -90,7 +90,7 @@ if code == 1 or code == 6 then
     local reply = redis.pcall(unpack(ARGV, i + 1, i + n))
     if type(reply) == 'table' and reply.err then
       local _, _, owner = parse(redis.call('GET', KEYS[1]))
-      if owner == ARGV[1] then
+      if same(owner, ARGV[1]) then
         redis.call('DEL', KEYS[1])
       end
       return redis.error_reply(reply.err)
@@ -98,6 +98,6 @@ if code == 1 or code == 6 then
     i = i + n + 1
   end
 elseif code == 2 and ARGV[5] ~= '' and not resent and result[3] then
-  result[4] = redis.call('HGETALL', ARGV[5] .. result[3])
+  result[4] = redis.call('HGETALL', ARGV[5] .. owner_text(result[3]))
 end
 return result

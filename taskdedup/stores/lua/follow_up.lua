@@ -22,11 +22,11 @@ local owner, lease_ms = ARGV[1], ARGV[2]
 local mine = tonumber(ARGV[3]) or 0
 local value = read(KEYS[1])
 local state, _, held_owner = parse(value)
-if mine < gen and not (state and held_owner == owner) then
+if mine < gen and not (state and same(held_owner, owner)) then
   return {8, false, false}
 end
-if next_id == owner and mine == gen then
-  if state == 'R' and held_owner ~= owner then
+if mine == gen and same(next_id, owner) then
+  if state == 'R' and not same(held_owner, owner) then
     if redis.call('PTTL', KEYS[2]) < tonumber(ARGV[4]) then
       redis.call('PEXPIRE', KEYS[2], ARGV[4])
     end

@@ -16,7 +16,7 @@ local key = KEYS[1]
 local owner, only_state = ARGV[1], ARGV[2] or ''
 
 local state, _, held_owner = parse(read(key))
-if not state or held_owner ~= owner or (only_state ~= '' and state ~= only_state) then
+if not state or not same(held_owner, owner) or (only_state ~= '' and state ~= only_state) then
   return 5
 end
 redis.call('DEL', key)
