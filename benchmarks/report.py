@@ -19,7 +19,7 @@ import redis
 from rich.console import Console
 from rich.table import Table
 
-from . import apart, realistic
+from . import apart, memory, realistic
 from .harness import Row, Sizes
 
 __all__ = ["Bar", "bars", "machine", "memory_bars", "print_bars", "print_table",
@@ -133,25 +133,27 @@ def memory_bars(rows: list[Row], memory_keys: int) -> list[Bar]:
                        row.value <= limit if not at else None))
     for section in dict.fromkeys(r.section for r in rows if r.section.startswith(
             "memory vs peers")):
-        ours = _find(rows, section, "taskdedup, queued")
-        peers = [r for r in (_find(rows, section, "celery-once, queued"),
-                             _find(rows, section, "celery-singleton, queued")) if r]
-        bar = f"Memory per held key vs the peers, same calls, same run, {section}"
-        target = f"≤ celery-once and celery-singleton (used_memory delta / N, ±{PEER_NOISE} B)"
-        if ours is None or not peers:
-            out.append(Bar(bar, target, "not measured", None))
-            continue
-        keys = int(ours.extra.get("keys", 0))
-        few = "" if keys >= 100_000 else f" (only {keys:,} keys: not the issue's 100,000)"
+        for layout, how in (("taskdedup, queued", ""),
+                            (memory.COMPACT, ", compact owners (taskdedup_compact_owners)")):
+            ours = _find(rows, section, layout)
+            peers = [r for r in (_find(rows, section, "celery-once, queued"),
+                                 _find(rows, section, "celery-singleton, queued")) if r]
+            bar = f"Memory per held key vs the peers, same calls, same run, {section}{how}"
+            target = f"≤ celery-once and celery-singleton (used_memory delta / N, ±{PEER_NOISE} B)"
+            if ours is None or not peers:
+                out.append(Bar(bar, target, "not measured", None))
+                continue
+            keys = int(ours.extra.get("keys", 0))
+            few = "" if keys >= 100_000 else f" (only {keys:,} keys: not the issue's 100,000)"
 
-        def usage(row: Row) -> str:
-            value = row.extra.get("memory_usage")
-            return "" if value is None else f" (MEMORY USAGE {value:.1f})"
+            def usage(row: Row) -> str:
+                value = row.extra.get("memory_usage")
+                return "" if value is None else f" (MEMORY USAGE {value:.1f})"
 
-        measured = f"taskdedup {ours.value:.1f} B{usage(ours)}; " + ", ".join(
-            f"{p.name.split(',')[0]} {p.value:.1f} B{usage(p)}" for p in peers) + few
-        limit = min(p.value for p in peers) + PEER_NOISE
-        out.append(Bar(bar, target, measured, ours.value <= limit if not few else None))
+            measured = f"taskdedup {ours.value:.1f} B{usage(ours)}; " + ", ".join(
+                f"{p.name.split(',')[0]} {p.value:.1f} B{usage(p)}" for p in peers) + few
+            limit = min(p.value for p in peers) + PEER_NOISE
+            out.append(Bar(bar, target, measured, ours.value <= limit if not few else None))
     return out
 
 
