@@ -191,3 +191,44 @@ def test_coalesce_and_its_follow_up_read_either_form(redis_url: str) -> None:
                  follow_up=True).verdict is Verdict.ACCEPTED
     assert claim(producer, "t", policy, identity.key, follow, generation=2,
                  follow_up=True).verdict is Verdict.DEFERRED  # a copy, in the other form
+
+
+def test_celery_calls_run_once_on_a_worker_of_the_other_form(
+    redis_url: str, rc: redis.Redis,
+) -> None:
+    """Real Celery workers (prefork): a text producer and a compact worker, then a compact
+    producer (``taskdedup_compact_owners``, its reservation inside the broker's push) and a
+    text worker. Each call runs once, its duplicate is the original's id, and the lock the
+    worker leaves is done in the worker's own form, named by the task id either way."""
+    from taskdedup.celery import get_deduplicator
+    from tests import celery_app
+    from tests.workers import CeleryWorker
+
+    app = celery_app.app
+    try:
+        for producer, worker_env in ((False, "1"), (True, "0")):
+            queue = f"owners-{uuid.uuid4().hex[:8]}"
+            app.conf.taskdedup_compact_owners = producer
+            celery_app.configure(redis_url, queue)
+            worker = CeleryWorker(redis_url, queue=queue, env={ENV: worker_env}).start()
+            try:
+                labels = [uuid.uuid4().hex[:12] for _ in range(4)]
+                handles = [celery_app.record.delay(label) for label in labels]
+                again = [celery_app.record.delay(label) for label in labels]
+                assert [h.id for h in again] == [h.id for h in handles]
+                assert [h.get(timeout=30) for h in handles] == [f"{x}:0" for x in labels]
+            finally:
+                worker.stop()
+            assert [[x.decode() for x in rc.lrange(f"effects:{label}", 0, -1)]
+                    for label in labels] == [["0"]] * 4
+            store = get_deduplicator(app).store
+            for label, handle in zip(labels, handles, strict=True):
+                key = celery_app.lock_key(celery_app.record, label)
+                written = compact_owner(handle.id) if worker_env == "1" else handle.id
+                assert rc.get(key) == f"D||{written}".encode()
+                info = store.get(key)
+                assert info is not None and (info.state, info.owner) == (LockState.DONE,
+                                                                         handle.id)
+    finally:
+        app.conf.taskdedup_compact_owners = None
+        celery_app.configure(redis_url, "celery")
