@@ -114,6 +114,8 @@ def send_ahead(task: Any, task_id: Any, fields: Mapping[str, Any]) -> Any | None
     """Send the claim of ``task``'s call ``task_id`` now, if it can go ahead (``fields``:
     the message headers, or the request's fields, holding the ``taskdedup`` header): the
     claim sent, or None."""
+    if isinstance(task_id, str) and task_id in _ahead:
+        return None  # sent already (the solo pool accepts what kombu's record claimed)
     try:
         policy = getattr(task, "_dedup_policy", None)
         if policy is None or not isinstance(task_id, str) or not task_id or is_disabled():
