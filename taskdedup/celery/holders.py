@@ -42,10 +42,12 @@ _SLOT: Final = struct.Struct(f"<qB{_ID_BYTES}s")  # pid, id length, id: 128 byte
 _HEADER: Final = 128  # byte 0: set when a pool process could not find its slot
 _table: list[mmap.mmap | None] = [None]
 _index: list[int | None] = []  # this process's slot, looked up once per process
+_mine: list[str | None] = [None]  # the id this process last wrote in its slot
 
 
 def _forked() -> None:
     _index.clear()
+    _mine[0] = None
 
 
 os.register_at_fork(after_in_child=_forked)
@@ -76,18 +78,18 @@ def hold(task_id: str) -> None:
     raw = task_id.encode()
     if len(raw) <= _ID_BYTES:
         _SLOT.pack_into(table, _HEADER + index * _SLOT.size, pid(), len(raw), raw)
+        _mine[0] = task_id
 
 
 def clear(task_id: str) -> None:
-    """This pool process completed or released ``task_id``'s lock: empty its slot."""
-    table = _table[0]
-    index = _slot() if table is not None else None
-    if table is None or index is None:
+    """This pool process completed or released ``task_id``'s lock: empty its slot (once: a
+    second call for the same id, or one for an id it does not hold, costs a comparison)."""
+    if _mine[0] != task_id:
         return
-    offset = _HEADER + index * _SLOT.size
-    _, length, raw = _SLOT.unpack_from(table, offset)
-    if length and raw[:length] == task_id.encode():
-        _SLOT.pack_into(table, offset, 0, 0, b"")
+    _mine[0] = None
+    table, index = _table[0], _slot()
+    if table is not None and index is not None:
+        _SLOT.pack_into(table, _HEADER + index * _SLOT.size, 0, 0, b"")
 
 
 def lost_held(task_id: str) -> bool | None:
