@@ -113,9 +113,12 @@ def lost_once(label: str) -> str:
 
 @app.task
 def in_order(label: str, run: str) -> str:
-    """Records the order the bodies of one ``run`` ran in (``fetch:order:<run>``)."""
-    r().rpush(f"fetch:order:{run}", label)
-    r().rpush(f"fetch:ran:{label}", os.getpid())
+    """Records the order the bodies of one ``run`` ran in (``fetch:order:<run>``) and the run
+    itself in one ``MULTI``: a test that waits for the order list then reads both complete."""
+    with r().pipeline(transaction=True) as pipe:
+        pipe.rpush(f"fetch:order:{run}", label)
+        pipe.rpush(f"fetch:ran:{label}", os.getpid())
+        pipe.execute()
     return label
 
 
