@@ -159,6 +159,15 @@ def celery_workers(ctx: Context) -> list[Row]:
     return rows
 
 
+def _guard_round_trips(cmds: dict[str, float]) -> float:
+    """The worker's claim and completion per task, from the server's command counts: a
+    script each (``EVALSHA``, whose inner ``GET``/``SET`` are not round trips), or on a server
+    with ``SET IFEQ`` a swap each (``SET``; ``taskdedup/stores/cas.py``). Plain workers and the
+    peers send neither (the peers' release is a ``DEL``)."""
+    scripts = cmds.get("evalsha", 0.0) + cmds.get("eval", 0.0)
+    return scripts if scripts else cmds.get("set", 0.0)
+
+
 def _celery_rows(pool: str, total: int, tasks: dict[str, Any], samples: dict[str, list[float]],
                  ratios: dict[str, list[float]], commands: dict[str, dict[str, float]],
                  ) -> list[Row]:
@@ -170,9 +179,10 @@ def _celery_rows(pool: str, total: int, tasks: dict[str, Any], samples: dict[str
             "tasks/s", samples[label],
             baseline=None if label.startswith("plain") else "plain Celery task",
             ratios=ratios.get(label), commands=cmds,
-            round_trips=cmds.get("evalsha", 0.0) + cmds.get("eval", 0.0),
+            round_trips=_guard_round_trips(cmds),
             note=f"{total:,} tasks per run; {sum(cmds.values()):.1f} server commands per task "
-                 "(the body's INCR and the broker's included); round trips = EVALSHA per task",
+                 "(the body's INCR and the broker's included); round trips = the claim and "
+                 "the completion per task (EVALSHA, or SET where the server swaps)",
         ))
     return rows
 
@@ -315,7 +325,7 @@ def rq_workers(ctx: Context) -> list[Row]:
             rows.append(Row(
                 f"rq worker ({kind})", label, "jobs/s", samples[label],
                 baseline=None if label == baseline else baseline, ratios=ratios.get(label),
-                commands=cmds, round_trips=cmds.get("evalsha", 0.0) + cmds.get("eval", 0.0),
+                commands=cmds, round_trips=_guard_round_trips(cmds),
                 note=f"{total:,} jobs per run" + ("" if label == baseline else f"; {where}"),
             ))
         Queue(name, connection=client).empty()

@@ -412,7 +412,14 @@ class Deduplicator:
             return None
         if not self._store_checked:
             self.check_store()
-        return send(key, owner, policy.lease_ms)
+        return send(key, owner, policy.lease_ms, **self._claim_hint(policy))
+
+    def _claim_hint(self, policy: Policy) -> dict[str, bool]:
+        """``reserved=False`` for a store that takes it (RedisStore: the first command of
+        its claim) when the mode reserves nothing at enqueue (``while_executing``)."""
+        if policy.mode.gates_enqueue or not getattr(self.store, "claim_takes_reserved", False):
+            return {}
+        return {"reserved": False}
 
     def start(self, name: str, policy: Policy, key: str, owner: str, *,
               sent: Any = None) -> StartResult:
@@ -438,7 +445,8 @@ class Deduplicator:
                 result = self.store.claim(key, owner, policy.lease_ms,  # type: ignore[call-arg]
                                           window=probe)
             else:
-                result = self.store.claim(key, owner, policy.lease_ms)
+                result = self.store.claim(key, owner, policy.lease_ms,
+                                          **self._claim_hint(policy))
         except StoreUnavailableError as exc:
             return self.store_error(name, policy, key, owner, exc, "start")
         if result.outcome is Outcome.ACQUIRED:

@@ -6,9 +6,11 @@ the user may run scripts (EVAL, EVALSHA), Cluster mode, whether the user reaches
 the prefix (an ACL ``~{prefix}:*``), and whether it may run the bitmap commands approximate
 windows use (a problem only where windows are in use under the prefix), and whether it may run
 the other commands of the least-privilege rule (the stats flush, the operators' tools, the
-server's clock). Nothing is left behind: the probe keys are deleted at once. Two checks read what
-workers left: the copies they met, and the reliable fetch's processing lists (which workers use
-it, and messages held by a worker whose lease lapsed).
+server's clock). One finding is information, never a problem: how a worker's claim and
+completion reach the server (one ``SET IFEQ`` each on Valkey 8.1+, else a script each).
+Nothing is left behind: the probe keys are deleted at once. Two checks read what workers
+left: the copies they met, and the reliable fetch's processing lists (which workers use it,
+and messages held by a worker whose lease lapsed).
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ def diagnose(client: Any, prefix: str) -> list[Finding]:
         redis.ConnectionError / redis.TimeoutError: the server cannot be reached at all.
     """
     client.ping()
-    return [*_server_checks(client), _script_check(client), _prefix_check(client, prefix),
+    return [*_server_checks(client), _script_check(client), _swap_check(client),
+            _prefix_check(client, prefix),
             _commands_check(client, prefix), _window_check(client, prefix),
             _copies_check(client, prefix), _fetch_check(client, prefix)]
 
@@ -110,6 +113,15 @@ def _script_check(client: Any) -> Finding:
         return Finding("scripts", False, f"scripts fail: {exc}",
                        "taskdedup needs Lua scripting (EVAL/EVALSHA)")
     return Finding("scripts", True, "EVAL and EVALSHA are permitted")
+
+
+def _swap_check(client: Any) -> Finding:
+    """How a worker's two steps reach this server (``stores/cas.py``): information only."""
+    if RedisStore(client).compare_and_set:
+        return Finding("worker steps", True, "a claim and a completion are one SET IFEQ each "
+                       "(the server compares and sets: no script)")
+    return Finding("worker steps", True, "a claim and a completion run a script each (SET "
+                   "IFEQ, one command each instead, needs Valkey 8.1 or later)")
 
 
 def _may_load(client: Any) -> bool:

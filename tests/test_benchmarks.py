@@ -98,10 +98,13 @@ def test_gated_celery_publish_adds_exactly_one_reserve_evalsha(
     assert gated_server["evalsha"] == 1 and gated_server["eval"] == 0
 
 
-def test_claim_and_complete_are_two_evalsha(
-    redis_url: str, redis_client: redis.Redis, scripts_cached: None,
+@pytest.mark.parametrize("swaps", [True, False], ids=["shipped", "scripts"])
+def test_claim_and_complete_are_two_round_trips(
+    redis_url: str, redis_client: redis.Redis, scripts_cached: None, swaps: bool,
 ) -> None:
-    store = RedisStore(redis.Redis.from_url(redis_url))
+    """A worker's claim and completion: two commands, two round trips — a swap each (SET
+    IFEQ) on a server that has it (Valkey 8.1+), else a script each — and nothing else."""
+    store = RedisStore(redis.Redis.from_url(redis_url), compare_and_set=swaps)
     dedup = Deduplicator(store)
     policy = Policy(ttl=60)
     warm = dedup.lock_key("rt.task", "0" * 32)
@@ -119,10 +122,16 @@ def test_claim_and_complete_are_two_evalsha(
 
     assert started.verdict.value == "accepted"
     assert sent.round_trips == 2
-    assert sent.commands == Counter({"EVALSHA": 2})
-    assert sent.shas == [SHA["claim"], SHA["complete"]]
     server = _delta(before, after)
-    assert server["evalsha"] == 2 and server["eval"] == 0
+    if store.compare_and_set:
+        assert swaps
+        assert sent.commands == Counter({"SET": 2})
+        assert server["set"] == 2 and server["evalsha"] == 0 and server["eval"] == 0
+        assert server["get"] == 0  # no script: no GET or SET inside one
+    else:
+        assert sent.commands == Counter({"EVALSHA": 2})
+        assert sent.shas == [SHA["claim"], SHA["complete"]]
+        assert server["evalsha"] == 2 and server["eval"] == 0
     info = RedisStore(redis_client).get(key)
     assert info is not None and info.state is LockState.DONE and info.owner == owner
 

@@ -23,9 +23,11 @@ NAME = "tests.later"
 POLICY = Policy(ttl=60, lease=30)
 
 
-@pytest.fixture
-def dedup(redis_url: str) -> Deduplicator:
-    return Deduplicator(RedisStore.from_url(redis_url))
+@pytest.fixture(params=[True, False], ids=["shipped", "scripts"])
+def dedup(redis_url: str, request: pytest.FixtureRequest) -> Deduplicator:
+    """Each test twice: the worker's claim and completion as swaps (SET IFEQ, where the
+    server has it: ``stores/cas.py``) and as scripts."""
+    return Deduplicator(RedisStore.from_url(redis_url, compare_and_set=request.param))
 
 
 def _run_body(dedup: Deduplicator, label: str) -> tuple[str, str]:
@@ -121,18 +123,22 @@ def test_a_single_connection_client_completes_at_once(redis_url: str,
     assert redis_client.get(key) == f"D||{owner}".encode()
 
 
+@pytest.mark.parametrize("swaps", [True, False], ids=["shipped", "scripts"])
 def test_a_user_without_script_load_completes_at_once_and_stops_trying(
-    redis_url: str, redis_client: redis.Redis
+    redis_url: str, redis_client: redis.Redis, swaps: bool
 ) -> None:
     """SCRIPT refused (``-script``: the ``script|load`` rule needs Redis 7): the completion
-    waits for its reply as before, and the store does not ask again for every task."""
+    waits for its reply as before, and the store does not ask again for every task. A
+    server that swaps (SET IFEQ, ``stores/cas.py``) needs no script for it: the completion
+    is still sent at once and read later."""
     user = f"later-{uuid.uuid4().hex[:8]}"
     redis_client.acl_setuser(user, enabled=True, passwords=["+pw"], keys=["*"],
                              commands=["+@all", "-script"])
     try:
         host, port = redis_client.connection_pool.connection_kwargs["host"], \
             redis_client.connection_pool.connection_kwargs["port"]
-        store = RedisStore(redis.Redis(host=host, port=port, username=user, password="pw"))
+        store = RedisStore(redis.Redis(host=host, port=port, username=user, password="pw"),
+                           compare_and_set=swaps)
         dedup = Deduplicator(store)
         seen = _events(dedup)
         for _ in range(2):
@@ -140,7 +146,7 @@ def test_a_user_without_script_load_completes_at_once_and_stops_trying(
             dedup.finish(NAME, POLICY, key, owner, success=True, later=True)
             assert [e.event for e in seen if e.task_id == owner][-1] is Event.COMPLETED
             assert redis_client.get(key) == f"D||{owner}".encode()
-        assert store._trails is None
+        assert (store._trails is not None) is store.compare_and_set
     finally:
         redis_client.acl_deluser(user)
 

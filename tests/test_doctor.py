@@ -56,10 +56,13 @@ def test_doctor_passes_on_a_server_that_never_evicts(own: redis.Redis,
                                                      own_server: RedisServer) -> None:
     code, checks = doctor(own_server.url)
     assert code == 0
-    assert set(checks) == {"server", "eviction", "cluster", "scripts", "acl", "commands",
-                           "windows", "copies", "fetch"}
+    assert set(checks) == {"server", "eviction", "cluster", "scripts", "worker steps", "acl",
+                           "commands", "windows", "copies", "fetch"}
     assert all(c["ok"] for c in checks.values())
+    swaps = "valkey" in str(checks["server"]["detail"])  # the suite's servers: Valkey 9.1 swaps
+    assert ("one SET IFEQ each" in str(checks["worker steps"]["detail"])) is swaps
     assert own.keys("taskdedup:doctor:*") == []  # the probe lock was released
+    assert own.keys("taskdedup:probe:*") == []  # and the swap's probe key deleted
     assert own.keys("taskdedup:bloom:*") == []  # and the probe bitmap deleted
 
 

@@ -78,14 +78,17 @@ class Harness:
         return None if raw is None else raw.decode("utf-8", "surrogateescape")
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "redis-scripts"])
 def harness(request: pytest.FixtureRequest) -> Iterator[Harness]:
+    """Each store: memory; Redis as shipped (on Valkey 9.1 a worker's claim and completion
+    swap with SET IFEQ: ``stores/cas.py``); Redis with every transition by its script."""
     if request.param == "memory":
         clock = FakeClock()
         yield Harness("memory", MemoryStore(clock=clock), clock=clock)
         return
     client: redis.Redis = request.getfixturevalue("redis_client")  # flushed per test
-    yield Harness("redis", RedisStore(client), client=client)
+    store = RedisStore(client, compare_and_set=request.param == "redis")
+    yield Harness("redis", store, client=client)
 
 
 @pytest.fixture
@@ -96,6 +99,18 @@ def store(harness: Harness) -> MemoryStore | RedisStore:
 @pytest.fixture
 def redis_store(redis_client: redis.Redis) -> RedisStore:
     return RedisStore(redis_client)
+
+
+@pytest.fixture
+def scripts_client(redis_url: str) -> Iterator[redis.Redis]:
+    """A client on another database of the same server (flushed), beside ``redis_client``."""
+    client = redis.Redis.from_url(redis_url.rsplit("/", 1)[0] + "/1")
+    client.flushdb()
+    try:
+        yield client
+    finally:
+        client.flushdb()
+        client.close()
 
 
 def hold(store: Store, key: str, owner: str, state: LockState, check: str = "") -> None:
@@ -845,6 +860,7 @@ def test_scripts_are_loaded_again_after_script_flush(
     call: Callable[[RedisStore], Any],
     expected: Any,
 ) -> None:
+    redis_store = RedisStore(redis_client, compare_and_set=False)  # claim, complete: scripts
     redis_store.reserve_many([("k", A, LONG, "")])  # loads the reserve script
     redis_client.script_flush()
     sha = redis_store._scripts[name.replace("reserve_many", "reserve")].sha
@@ -907,15 +923,23 @@ def test_reserve_many_takes_one_round_trip(
     assert trips.count == 2
 
 
-@pytest.mark.parametrize("call", [t[1] for t in TRANSITIONS], ids=[t[0] for t in TRANSITIONS])
+@pytest.mark.parametrize("swaps", [True, False], ids=["shipped", "scripts"])
+@pytest.mark.parametrize(("name", "call"), [t[:2] for t in TRANSITIONS],
+                         ids=[t[0] for t in TRANSITIONS])
 def test_each_call_takes_one_round_trip_once_scripts_are_loaded(
-    redis_store: RedisStore, monkeypatch: pytest.MonkeyPatch, call: Callable[[RedisStore], Any]
+    redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch, name: str,
+    call: Callable[[RedisStore], Any], swaps: bool,
 ) -> None:
+    """Every transition from the state it is made in (a completion from RUNNING), whether
+    the worker's steps swap (SET IFEQ) or run their scripts."""
+    redis_store = RedisStore(redis_client, compare_and_set=swaps)
     for warm in (lambda s: s.reserve("k", A, LONG), *[t[1] for t in TRANSITIONS]):
         warm(redis_store)
     redis_store.release("k", A)
     redis_store.release("k", B)
     redis_store.reserve("k", A, LONG)
+    if name == "complete":
+        redis_store.claim("k", A, LONG)
     trips = RoundTrips(monkeypatch)
     call(redis_store)
     assert trips.count == 1
@@ -1018,6 +1042,10 @@ OPS = st.one_of(
               st.sampled_from([A, B, "a|b"]), st.sampled_from([60_000, LONG])),
     st.tuples(st.just("complete"), st.sampled_from(["k1", "k2"]),
               st.sampled_from([A, B, "a|b"]), st.sampled_from([0, 60_000, LONG])),
+    st.tuples(st.just("finish"), st.sampled_from(["k1", "k2"]),
+              st.sampled_from([A, B, "a|b"]), st.sampled_from([60_000, LONG])),
+    st.tuples(st.just("claim_unreserved"), st.sampled_from(["k1", "k2"]),
+              st.sampled_from([A, B, "a|b"]), st.sampled_from([60_000, LONG])),
     st.tuples(st.just("release"), st.sampled_from(["k1", "k2"]), st.sampled_from([A, B, "a|b"])),
 )
 
@@ -1027,15 +1055,30 @@ OPS = st.one_of(
 )
 @given(ops=st.lists(OPS, max_size=25))
 def test_memory_and_redis_stores_agree_on_any_sequence_of_calls(
-    redis_client: redis.Redis, ops: list[tuple[Any, ...]]
+    redis_client: redis.Redis, scripts_client: redis.Redis, ops: list[tuple[Any, ...]]
 ) -> None:
+    """Memory, Redis as shipped (swaps for the worker's claim and completion where the
+    server has SET IFEQ) and Redis by scripts alone (another database) answer alike and
+    leave the same locks."""
     redis_client.flushdb()
-    stores = (MemoryStore(clock=FakeClock()), RedisStore(redis_client))
+    scripts_client.flushdb()
+    stores = (MemoryStore(clock=FakeClock()), RedisStore(redis_client),
+              RedisStore(scripts_client, compare_and_set=False))
+
+    def call(store: Any, name: str, *args: Any) -> Any:
+        if name == "finish":  # a success that releases the identity: the F tombstone
+            return store.complete(*args[:2], 0, finished_ms=args[2])
+        if name == "claim_unreserved":  # while_executing's claim (a hint: never the outcome)
+            if isinstance(store, RedisStore):
+                return store.claim(*args, reserved=False)
+            return store.claim(*args)
+        return getattr(store, name)(*args)
+
     for name, *args in ops:
-        answers = [getattr(store, name)(*args) for store in stores]
-        assert answers[0] == answers[1], (name, args)
+        answers = [call(store, name, *args) for store in stores]
+        assert answers[0] == answers[1] == answers[2], (name, args, answers)
         for key in ("k1", "k2"):
             locks = [store.get(key) for store in stores]
             # TTLs are 60 s or 600 s and never expire here; compare which one is in force.
             views = [None if lock is None else (*lock[:4], lock.ttl_ms > 60_000) for lock in locks]
-            assert views[0] == views[1], (name, args, key)
+            assert views[0] == views[1] == views[2], (name, args, key, views)

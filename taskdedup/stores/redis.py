@@ -43,7 +43,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ..approximate import Probe
 from ..exceptions import ConfigurationError, StoreUnavailableError
-from . import scripts, server
+from . import cas, scripts, server
 from ._compat import NEVER_DECODE, raw_exchange
 from .base import LockInfo, LockResult, LockState, Outcome, Remembered
 from .memory import check_check, check_ms, check_owner, parse_value
@@ -92,6 +92,10 @@ _URL_PASSWORD = re.compile(r"(://[^:@/]*):[^@/]*@")
 _GLOB_SPECIAL = re.compile(r"([\\*?\[\]])")
 
 _ALLOW_HINT = "to run without dedup while the store is down: on_store_error='allow'"
+
+# Seconds before a server that could not be asked whether it swaps (:mod:`.cas`) is asked again:
+# a store that is down must not pay a probe's timeout on every call.
+_ASK_AGAIN = 30.0
 
 # reserve_many packs and sends this many commands per socket write.
 _SEND_SLICE = 1000
@@ -244,7 +248,11 @@ class RedisStore:
     #: reserve_many sends at most this many items per pipeline round trip.
     bulk_chunk = 10_000
 
-    def __init__(self, client: redis.Redis, *, compact_owners: bool = False) -> None:
+    #: :meth:`claim` and :meth:`send_claim` take ``reserved=`` (core passes it).
+    claim_takes_reserved = True
+
+    def __init__(self, client: redis.Redis, *, compact_owners: bool = False,
+                 compare_and_set: bool = True) -> None:
         self.client = client
         self.compact_owners = compact_owners
         """Write UUID owners compact (:mod:`.owners`); both forms are read either way."""
@@ -268,9 +276,13 @@ class RedisStore:
         self._complete_loaded = False  # the server has complete.lua (complete_later)
         self._trails = None if self._take_connection is None else Trails(
             self._take_connection, self._give_back, _pack, self._redo)
+        # Whether the worker's claim and completion go as one SET IFEQ (:mod:`.cas`): None
+        # until the server is asked (:meth:`_swaps`), False when it cannot or must not.
+        self._cas: bool | None = None if compare_and_set and self._trails else False
+        self._ask_after = 0.0  # monotonic time before which an unanswered probe is not redone
 
     @classmethod
-    def from_url(cls, url: str, *, compact_owners: bool = False,
+    def from_url(cls, url: str, *, compact_owners: bool = False, compare_and_set: bool = True,
                  **client_kwargs: Any) -> RedisStore:
         """A store on a new client for ``url``.
 
@@ -279,7 +291,8 @@ class RedisStore:
         ``redis.Redis.from_url``; unless given, ``socket_timeout=5``,
         ``socket_connect_timeout=5`` and ``health_check_interval=30`` so a dead server is
         reported in seconds rather than hanging a producer. ``compact_owners``: write UUID
-        owners compact (:mod:`taskdedup.stores.owners`).
+        owners compact (:mod:`taskdedup.stores.owners`); ``compare_and_set``: see
+        :attr:`compare_and_set`.
 
         Raises:
             ConfigurationError: the URL has another scheme or cannot be parsed.
@@ -298,7 +311,37 @@ class RedisStore:
             client = redis.Redis.from_url(f"{target}://{rest}", **client_kwargs)
         except ValueError as exc:
             raise ConfigurationError(f"invalid store URL {redact_url(url)!r}: {exc}") from exc
-        return cls(client, compact_owners=compact_owners)
+        return cls(client, compact_owners=compact_owners, compare_and_set=compare_and_set)
+
+    @property
+    def compare_and_set(self) -> bool:
+        """Whether a worker's claim and completion go as one ``SET … IFEQ`` (Valkey 8.1+:
+        :mod:`taskdedup.stores.cas`) instead of a script. The server is asked once (here,
+        or on the first claim); False on servers without it, for a client without its own
+        pool, or when the store was made with ``compare_and_set=False``."""
+        return self._swaps()
+
+    def _swaps(self) -> bool:
+        """Whether to send the worker's transitions as a swap (asks the server once)."""
+        if self._cas is None:
+            if time.monotonic() < self._ask_after:
+                return False
+            try:
+                self._cas = cas.probe(self._exchange)
+            except RedisError:  # not reachable now: the scripts meanwhile, asked again later
+                self._ask_after = time.monotonic() + _ASK_AGAIN
+                return False
+            logger.debug("taskdedup: %s: claims and completions %s", describe_client(
+                self.client), "swap with SET IFEQ" if self._cas else "run their scripts")
+        return self._cas
+
+    def _swap_refused(self, exc: ResponseError) -> None:
+        """A swap answered an error other than a foreign key type: the server no longer
+        takes it (a failover to an older server). The scripts do it from now on."""
+        if self._cas and not str(exc).startswith("WRONGTYPE"):
+            self._cas = False
+            logger.warning("taskdedup: %s refused SET IFEQ (%s): claims and completions run "
+                           "their scripts from now on", describe_client(self.client), exc)
 
     def stored_owner(self, owner: str) -> str:
         """``owner`` as this store writes it into a lock (compact or as given), for callers
@@ -346,8 +389,13 @@ class RedisStore:
             raise self._unavailable(f"{action} {key!r}", exc) from exc
 
     def _redo(self, command: tuple[Any, ...]) -> Any:
-        """An ``EVALSHA`` sent on a trail (:meth:`complete_later`, a claim) made again as an
-        ordinary call."""
+        """An ``EVALSHA`` (or a swap) sent on a trail (:meth:`complete_later`, a claim) made
+        again as an ordinary call."""
+        if command[0] == "SET":  # a swap: idempotent for its owner, as the scripts are
+            try:
+                return self._exchange([command])[0]
+            except RedisError as exc:
+                raise self._unavailable(f"{command[0]} {command[1]!r}", exc) from exc
         _, sha, _, key, *args = command
         name = next(name for name, s in self._scripts.items() if s.sha == sha)
         if name == "complete":
@@ -426,27 +474,40 @@ class RedisStore:
         return self._send(script, "replace" if replace else "reserve", key,
                           self._stored(owner), ttl_ms, check, "1" if fresh else "0")
 
-    def send_claim(self, key: str, owner: str, lease_ms: int) -> SentClaim | SentReserve | None:
+    def send_claim(self, key: str, owner: str, lease_ms: int, *, reserved: bool = True
+                   ) -> SentClaim | SentReserve | None:
         """Send :meth:`claim` (no approximate window) without waiting for its reply, so the
         worker can do other work (kombu's own round trip) while Redis runs the script; its
         ``read()`` answers as :meth:`claim` does. It goes out on this thread's connection
         for completions (:mod:`.trail`), after the completions sent before it (the server
         runs them first: the same identity may follow at once), and its reply is read with
-        theirs, often in the same socket read. None as for :meth:`send_reserve`."""
+        theirs, often in the same socket read. None as for :meth:`send_reserve`.
+        ``reserved``: as in :meth:`claim`."""
         if self._take_connection is None:
             return None
         check_owner(owner)
         check_ms("lease_ms", lease_ms)
         if self._trails is None:  # completions wait for their replies: nothing owed
             return self._send(self._claim, "claim", key, self._stored(owner), lease_ms)
-        return self._trail_claim(key, owner, lease_ms)  # not sent: read() makes the call
+        return self._trail_claim(key, owner, lease_ms, reserved)  # not sent: read() calls
 
-    def _trail_claim(self, key: str, owner: str, lease_ms: int) -> SentClaim:
-        """A claim sent on this thread's trail, behind its completions."""
+    def _trail_claim(self, key: str, owner: str, lease_ms: int,
+                     reserved: bool = True) -> SentClaim:
+        """A claim sent on this thread's trail, behind its completions: a swap where the
+        server takes one (:mod:`.cas`), else the script."""
         sent = SentClaim(self, key, owner, lease_ms)
-        sent.trail = self._trails.send(  # type: ignore[union-attr]
-            ("EVALSHA", self._claim.sha, 1, key, self._stored(owner), lease_ms), sent.reply)
+        stored = self._stored(owner)
+        command: tuple[Any, ...]
+        if self._swaps():
+            command, sent.expect = cas.claim_command(key, stored, lease_ms, reserved=reserved)
+        else:
+            command = ("EVALSHA", self._claim.sha, 1, key, stored, lease_ms)
+        sent.trail = self._trails.send(command, sent.reply)  # type: ignore[union-attr]
         return sent
+
+    def _claim_script(self, key: str, owner: str, lease_ms: int) -> LockResult:
+        """The claim by its script (``claim.lua``): every case of the state machine."""
+        return _result(self._eval(self._claim, "claim", key, self._stored(owner), lease_ms))
 
     def _send(self, script: Script, action: str, key: str, *args: str | int) -> SentReserve:
         """``EVALSHA script 1 key *args`` written on a lent connection, its reply unread."""
@@ -493,14 +554,18 @@ class RedisStore:
                                          "1" if fresh else "0"))
 
     def claim(
-        self, key: str, owner: str, lease_ms: int, *, window: Probe | None = None
+        self, key: str, owner: str, lease_ms: int, *, window: Probe | None = None,
+        reserved: bool = True,
     ) -> LockResult:
-        """See :meth:`taskdedup.stores.Store.claim` (``window`` as in :meth:`reserve`)."""
+        """See :meth:`taskdedup.stores.Store.claim` (``window`` as in :meth:`reserve`).
+        ``reserved``: whether the caller's own QUEUED lock is expected (False for
+        ``while_executing``, which reserves nothing): it picks the swap tried first, never
+        the outcome."""
         check_owner(owner)
         check_ms("lease_ms", lease_ms)
         if self._trails is not None:
             if window is None:  # on the completions' connection, behind them: one read
-                sent = self._trail_claim(key, owner, lease_ms)
+                sent = self._trail_claim(key, owner, lease_ms, reserved)
                 if sent.trail is not None:
                     return sent.read()
             self._trails.settle_mine()  # the last completion's reply, arrived meanwhile
@@ -534,12 +599,28 @@ class RedisStore:
         """See :meth:`taskdedup.stores.Store.complete`."""
         check_owner(owner)
         check_ms("ttl_ms", ttl_ms, allow_zero=True)
-        owner = self._stored(owner)
         if finished_ms:
             check_ms("finished_ms", finished_ms)
-            return _OUTCOMES[self._eval(self._complete, "complete", key, owner, ttl_ms,
+        owner = self._stored(owner)
+        swap = cas.complete_command(key, owner, ttl_ms, finished_ms) if self._swaps() else None
+        if swap is not None:
+            try:
+                reply = self._exchange([swap[0]])[0]
+            except RedisError as exc:
+                raise self._unavailable(f"complete {key!r}", exc) from exc
+            if reply == swap[1]:
+                return Outcome.OK
+            if isinstance(reply, ResponseError):
+                self._swap_refused(reply)
+        return self._complete_script(key, owner, ttl_ms, finished_ms)
+
+    def _complete_script(self, key: str, stored: str, ttl_ms: int, finished_ms: int) -> Outcome:
+        """The completion by its script (``complete.lua``): every case of the state
+        machine. ``stored``: the owner as this store writes it."""
+        if finished_ms:
+            return _OUTCOMES[self._eval(self._complete, "complete", key, stored, ttl_ms,
                                         finished_ms)]
-        return _OUTCOMES[self._eval(self._complete, "complete", key, owner, ttl_ms)]
+        return _OUTCOMES[self._eval(self._complete, "complete", key, stored, ttl_ms)]
 
     def complete_later(
         self, key: str, owner: str, ttl_ms: int, on_outcome: Callable[[Any], None], *,
@@ -555,6 +636,32 @@ class RedisStore:
         check_ms("ttl_ms", ttl_ms, allow_zero=True)
         if self._trails is None:
             return False
+        if finished_ms:
+            check_ms("finished_ms", finished_ms)
+        stored = self._stored(owner)
+        swap = cas.complete_command(key, stored, ttl_ms, finished_ms) if self._swaps() else None
+        if swap is not None:
+            command, expect = swap
+
+            def swapped(reply: Any) -> None:
+                if reply == expect:
+                    on_outcome(Outcome.OK)
+                    return
+                if isinstance(reply, ResponseError):
+                    self._swap_refused(reply)
+                elif isinstance(reply, RedisError):  # the redo failed: unreachable
+                    on_outcome(self._unavailable(f"complete {key!r}", reply))
+                    return
+                elif isinstance(reply, Exception):
+                    on_outcome(reply)
+                    return
+                try:  # not swapped: the script says what the lock was (one more round trip)
+                    outcome: Any = self._complete_script(key, stored, ttl_ms, finished_ms)
+                except StoreUnavailableError as exc:
+                    outcome = exc
+                on_outcome(outcome)
+
+            return self._trails.send(command, swapped) is not None
         if not self._complete_loaded:  # else the first one would be NOSCRIPT, done at settle
             try:
                 self.client.script_load(self._complete.script)
@@ -565,11 +672,7 @@ class RedisStore:
             except RedisError:
                 return False
             self._complete_loaded = True
-        owner = self._stored(owner)
-        args: tuple[Any, ...] = (owner, ttl_ms)
-        if finished_ms:
-            check_ms("finished_ms", finished_ms)
-            args = (owner, ttl_ms, finished_ms)
+        args: tuple[Any, ...] = (stored, ttl_ms, finished_ms) if finished_ms else (stored, ttl_ms)
 
         def outcome(reply: Any) -> None:
             if isinstance(reply, RedisError):
@@ -646,8 +749,10 @@ class RedisStore:
     # -- beyond the protocol ---------------------------------------------------------------
 
     def check_server(self) -> None:
-        """Warn once per process if this server may evict locks (``stores/server.py``)."""
+        """Warn once per process if this server may evict locks (``stores/server.py``), and
+        ask it whether it swaps (:mod:`.cas`), so that forked workers know without asking."""
         server.warn_once(self.client, describe_client(self.client))
+        self._swaps()
 
     def reserve_many(
         self, items: Sequence[tuple[str, str, int, str]], *, fresh: bool = False,
@@ -817,6 +922,8 @@ class RedisStore:
 
 
 _UNREAD: Any = object()
+_SCRIPT: Any = object()  # SentClaim.expect of a claim sent as its script
+_ACQUIRED = LockResult(Outcome.ACQUIRED)
 
 
 class SentClaim:
@@ -825,10 +932,13 @@ class SentClaim:
     Read it once with :meth:`read`, from any thread; :meth:`discard` reads and drops it.
     """
 
-    __slots__ = ("_lease_ms", "_owner", "_reply", "_store", "key", "trail")
+    __slots__ = ("_lease_ms", "_owner", "_reply", "_store", "expect", "key", "trail")
 
     def __init__(self, store: RedisStore, key: str, owner: str, lease_ms: int) -> None:
         self._store = store
+        self.expect: Any = _SCRIPT
+        """For a swap (:mod:`.cas`): the reply that says it was made; else the claim ran
+        its script."""
         self.key = key
         """The lock key the claim is about."""
         self._owner = owner
@@ -860,6 +970,17 @@ class SentClaim:
             raise StoreUnavailableError(f"claim {self.key!r}: its reply was not read")
         if isinstance(reply, StoreUnavailableError):
             raise reply
+        if self.expect is not _SCRIPT:  # a swap
+            if reply == self.expect:
+                return _ACQUIRED
+            if isinstance(reply, ResponseError):
+                store._swap_refused(reply)
+            elif isinstance(reply, RedisError):
+                raise store._unavailable(f"claim {self.key!r}", reply) from reply
+            elif isinstance(reply, BaseException):
+                raise reply
+            # not swapped: the script applies the whole state machine (one more round trip)
+            return store._claim_script(self.key, self._owner, self._lease_ms)
         if isinstance(reply, RedisError):
             raise store._unavailable(f"claim {self.key!r}", reply) from reply
         if isinstance(reply, BaseException):

@@ -1,0 +1,157 @@
+"""A worker's claim and completion as one ``SET … IFEQ`` where the server has it
+(``taskdedup/stores/cas.py``), and the scripts everywhere else.
+
+The suite's server decides which: Valkey 9.1 (the main session) swaps; Redis 6.2 and 7.0
+(the compat sessions) refuse ``IFEQ`` and run the scripts. Both stores answer every sequence
+of calls alike (``tests/test_store_contract.py`` runs its contract and its property test on
+both); here: the probe, the commands each step sends, the cases a swap hands to the script,
+and a server that stops taking swaps.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections import Counter
+
+import pytest
+import redis
+
+from benchmarks.harness import RoundTripCounter, command_calls
+from taskdedup import Deduplicator, Policy, RedisStore
+from taskdedup.stores import cas
+from taskdedup.stores.base import LockResult, LockState, Outcome
+from taskdedup.stores.server import read_facts
+
+LONG = 600_000
+ACQUIRED = LockResult(Outcome.ACQUIRED)
+CHECK = "c" * 32
+
+
+def swapping_server(client: redis.Redis) -> bool:
+    """What the probe should find: Valkey 8.1 or later (SET IFEQ and GET, the value found
+    answered whether or not it swapped)."""
+    facts = read_facts(client)
+    return facts.name == "valkey" and facts.version_tuple[:2] >= (8, 1)
+
+
+def _delta(before: Counter[str], after: Counter[str]) -> Counter[str]:
+    delta = after - before
+    delta.pop("info", None)
+    return delta
+
+
+def test_the_server_is_asked_once_and_the_probe_leaves_nothing(
+    redis_client: redis.Redis,
+) -> None:
+    store = RedisStore(redis_client)
+    with RoundTripCounter() as sent:
+        answer = store.compare_and_set
+        assert store.compare_and_set is answer  # asked once
+    assert sent.round_trips == 1  # the probe: five commands, one pipeline
+    assert answer is swapping_server(redis_client)
+    assert list(redis_client.scan_iter("taskdedup:probe:*")) == []
+    assert RedisStore(redis_client, compare_and_set=False).compare_and_set is False
+    single = RedisStore(redis.Redis(connection_pool=redis_client.connection_pool,
+                                    single_connection_client=True))
+    assert single.compare_and_set is False  # no pooled connection to send it on
+
+
+@pytest.mark.parametrize(("mode", "left"), [("until_expired", "D"), ("until_executed", "F")])
+def test_a_guarded_execution_is_two_sets_and_no_script_where_the_server_swaps(
+    redis_client: redis.Redis, mode: str, left: str,
+) -> None:
+    """Claim and completion through the deduplicator, as a worker makes them (the DONE
+    marker, or the FINISHED tombstone); the server's own command counts."""
+    dedup = Deduplicator(RedisStore(redis_client))
+    policy = Policy(mode=mode, ttl=60)
+    warm = dedup.lock_key("cas.task", "0" * 32)
+    dedup.start("cas.task", policy, warm, "warm-owner")
+    dedup.finish("cas.task", policy, warm, "warm-owner", success=True)
+    owner = str(uuid.uuid4())
+    key = dedup.lock_key("cas.task", uuid.uuid4().hex)
+    dedup.store.reserve(key, owner, 60_000)
+    before = command_calls(redis_client)
+    assert dedup.start("cas.task", policy, key, owner).verdict.value == "accepted"
+    dedup.finish("cas.task", policy, key, owner, success=True)
+    server = _delta(before, command_calls(redis_client))
+    if swapping_server(redis_client):
+        assert server["set"] == 2 and server["evalsha"] == 0 and server["get"] == 0, server
+    else:
+        assert server["evalsha"] == 2 and server["set"] == 2 and server["get"] == 2, server
+    assert redis_client.get(key) == f"{left}||{owner}".encode()
+
+
+def test_a_while_executing_claim_takes_the_absent_lock_in_one_command(
+    redis_client: redis.Redis,
+) -> None:
+    """``while_executing`` reserves nothing: its claim is ``SET NX`` (not a swap that is
+    bound to miss, then the script)."""
+    dedup = Deduplicator(RedisStore(redis_client))
+    policy = Policy(mode="while_executing", ttl=60)
+    dedup.start("cas.w", policy, dedup.lock_key("cas.w", "0" * 32), "warm-owner")
+    key, owner = dedup.lock_key("cas.w", uuid.uuid4().hex), str(uuid.uuid4())
+    with RoundTripCounter() as sent:
+        assert dedup.start("cas.w", policy, key, owner).verdict.value == "accepted"
+    assert sent.round_trips == 1
+    assert redis_client.get(key) == f"R||{owner}".encode()
+    other = str(uuid.uuid4())
+    assert dedup.start("cas.w", policy, key, other).verdict.value == "duplicate"
+    assert redis_client.get(key) == f"R||{owner}".encode()  # never touched
+
+
+@pytest.mark.parametrize("swaps", [True, False], ids=["shipped", "scripts"])
+def test_an_explicit_keys_check_is_kept_through_claim_and_completion(
+    redis_client: redis.Redis, swaps: bool,
+) -> None:
+    """A lock holding an argument check (``dedup_key=``) is no swap's expected value: the
+    script makes each step (one more round trip) and keeps the check."""
+    store = RedisStore(redis_client, compare_and_set=swaps)
+    owner = str(uuid.uuid4())
+    assert store.reserve("k", owner, LONG, CHECK) == ACQUIRED
+    assert store.claim("k", owner, LONG) == ACQUIRED
+    assert redis_client.get("k") == f"R|{CHECK}|{owner}".encode()
+    assert store.complete("k", owner, LONG) is Outcome.OK
+    assert redis_client.get("k") == f"D|{CHECK}|{owner}".encode()
+    assert store.claim("k", owner, LONG) == LockResult(Outcome.DUPLICATE, owner, LockState.DONE)
+
+
+def test_a_server_that_stops_taking_swaps_turns_the_store_to_its_scripts(
+    redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A swap answered with an error other than a foreign key's type (a failover to an
+    older server: ``ERR syntax error``) is made by the script, and the store says so once
+    and runs the scripts from then on."""
+    store = RedisStore(redis_client)
+    if not store.compare_and_set:
+        pytest.skip("this server does not swap (Redis < 8.4): the scripts run already")
+    owner = str(uuid.uuid4())
+    store.reserve("k", owner, LONG)
+    real = cas.claim_command
+
+    def refused(key: str, owner: str, lease_ms: int, *, reserved: bool = True) -> tuple:
+        command, expect = real(key, owner, lease_ms, reserved=reserved)
+        return (*command, "NOT-AN-OPTION"), expect
+
+    monkeypatch.setattr(cas, "claim_command", refused)
+    with caplog.at_level(logging.WARNING, logger="taskdedup"):
+        assert store.claim("k", owner, LONG) == ACQUIRED
+    assert redis_client.get("k") == f"R||{owner}".encode()
+    assert store.compare_and_set is False
+    assert "refused SET IFEQ" in caplog.text
+    with RoundTripCounter() as sent:
+        assert store.complete("k", owner, LONG) is Outcome.OK
+    assert sent.commands == Counter({"EVALSHA": 1})
+
+
+def test_a_foreign_value_of_another_type_is_the_scripts_to_judge(
+    redis_client: redis.Redis,
+) -> None:
+    """A key of another type under the lock's name (WRONGTYPE to a SET with GET): someone
+    else's lock, as the script says; the store keeps swapping."""
+    store = RedisStore(redis_client)
+    redis_client.lpush("k", "x")
+    assert store.claim("k", str(uuid.uuid4()), LONG) == LockResult(Outcome.DUPLICATE)
+    assert redis_client.type("k") == b"list"
+    assert store.compare_and_set is swapping_server(redis_client)
