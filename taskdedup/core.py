@@ -10,6 +10,7 @@ Each of these is one store transition (one Redis round trip). Decisions about st
 
 from __future__ import annotations
 
+import inspect
 import re
 import threading
 import time
@@ -628,7 +629,11 @@ class Deduplicator:
         a worker that forks per job calls it before forking, so no child asks again."""
         self._store_checked = True
         check = getattr(self.store, "check_server", None)
-        if check is not None:
+        if check is None:
+            return
+        if "prefix" in inspect.signature(check).parameters:  # RedisStore: its probe key's
+            check(prefix=self.prefix)
+        else:
             check()
 
     def store_error(

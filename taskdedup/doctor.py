@@ -65,7 +65,7 @@ def diagnose(client: Any, prefix: str) -> list[Finding]:
         redis.ConnectionError / redis.TimeoutError: the server cannot be reached at all.
     """
     client.ping()
-    return [*_server_checks(client), _script_check(client), _swap_check(client),
+    return [*_server_checks(client), _script_check(client), _swap_check(client, prefix),
             _prefix_check(client, prefix),
             _commands_check(client, prefix), _window_check(client, prefix),
             _copies_check(client, prefix), _fetch_check(client, prefix)]
@@ -115,9 +115,9 @@ def _script_check(client: Any) -> Finding:
     return Finding("scripts", True, "EVAL and EVALSHA are permitted")
 
 
-def _swap_check(client: Any) -> Finding:
+def _swap_check(client: Any, prefix: str) -> Finding:
     """How a worker's two steps reach this server (``stores/cas.py``): information only."""
-    if RedisStore(client).compare_and_set:
+    if RedisStore(client).swaps(prefix):
         return Finding("worker steps", True, "a claim and a completion are one SET IFEQ each "
                        "(the server compares and sets: no script)")
     return Finding("worker steps", True, "a claim and a completion run a script each (SET "

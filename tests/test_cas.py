@@ -155,3 +155,29 @@ def test_a_foreign_value_of_another_type_is_the_scripts_to_judge(
     assert store.claim("k", str(uuid.uuid4()), LONG) == LockResult(Outcome.DUPLICATE)
     assert redis_client.type("k") == b"list"
     assert store.compare_and_set is swapping_server(redis_client)
+
+
+def test_the_probe_writes_under_the_locks_prefix_where_the_users_acl_reaches(
+    redis_client: redis.Redis,
+) -> None:
+    """A least-privilege user (``~myapp:*``): the deduplicator's first check asks with its
+    prefix, so the probe's key is one the user may write, and its workers swap. Asked
+    outside the ACL, the probe fails and the store runs its scripts: slower, never wrong."""
+    if not swapping_server(redis_client):
+        pytest.skip("this server does not swap (Redis < 8.4)")
+    user = f"cas-{uuid.uuid4().hex[:8]}"
+    redis_client.acl_setuser(user, enabled=True, passwords=["+pw"], keys=["myapp:*"],
+                             commands=["+@all"])
+    kwargs = redis_client.connection_pool.connection_kwargs
+    try:
+        def client() -> redis.Redis:
+            return redis.Redis(host=kwargs["host"], port=kwargs["port"], username=user,
+                               password="pw")
+
+        dedup = Deduplicator(RedisStore(client()), prefix="myapp")
+        dedup.check_store()
+        assert dedup.store.compare_and_set is True
+        assert list(redis_client.scan_iter("myapp:probe:*")) == []
+        assert RedisStore(client()).compare_and_set is False  # "taskdedup:probe:…": refused
+    finally:
+        redis_client.acl_deluser(user)

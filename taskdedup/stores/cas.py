@@ -60,12 +60,13 @@ def complete_command(key: str, owner: str, ttl_ms: int, finished_ms: int
     return ("SET", key, value, "IFEQ", running, "PX", px, "GET"), running.encode()
 
 
-def probe(exchange: Callable[[list[Command]], list[Any]]) -> bool:
+def probe(exchange: Callable[[list[Command]], list[Any]], prefix: str = "taskdedup") -> bool:
     """Whether the server behind ``exchange`` (commands pipelined on one connection,
     replies undecoded, errors as values) swaps with ``SET … IFEQ … GET`` and answers the
-    value found whether or not it swapped. One round trip, on a key of its own that it
-    deletes; any error (an old server, an ACL without ``SET`` on it) answers False."""
-    key = f"taskdedup:probe:{os.urandom(8).hex()}"
+    value found whether or not it swapped. One round trip, on a key of its own under
+    ``prefix`` (where the locks' ACL reaches) that it deletes; any error (an old server, an
+    ACL without that key) answers False."""
+    key = f"{prefix}:probe:{os.urandom(8).hex()}"
     replies = exchange([
         ("SET", key, "a", "PX", 10_000),
         ("SET", key, "b", "IFEQ", "x", "GET", "PX", 10_000),  # not swapped: answers "a"

@@ -280,6 +280,7 @@ class RedisStore:
         # until the server is asked (:meth:`_swaps`), False when it cannot or must not.
         self._cas: bool | None = None if compare_and_set and self._trails else False
         self._ask_after = 0.0  # monotonic time before which an unanswered probe is not redone
+        self._probe_prefix = "taskdedup"  # the probe's key goes under it (check_server)
 
     @classmethod
     def from_url(cls, url: str, *, compact_owners: bool = False, compare_and_set: bool = True,
@@ -321,13 +322,19 @@ class RedisStore:
         pool, or when the store was made with ``compare_and_set=False``."""
         return self._swaps()
 
+    def swaps(self, prefix: str) -> bool:
+        """:attr:`compare_and_set`, the server asked (if it was not yet) with its probe key
+        under ``prefix``: the locks' prefix, which a least-privilege user's ACL reaches."""
+        self._probe_prefix = prefix
+        return self._swaps()
+
     def _swaps(self) -> bool:
         """Whether to send the worker's transitions as a swap (asks the server once)."""
         if self._cas is None:
             if time.monotonic() < self._ask_after:
                 return False
             try:
-                self._cas = cas.probe(self._exchange)
+                self._cas = cas.probe(self._exchange, self._probe_prefix)
             except RedisError:  # not reachable now: the scripts meanwhile, asked again later
                 self._ask_after = time.monotonic() + _ASK_AGAIN
                 return False
@@ -748,11 +755,13 @@ class RedisStore:
 
     # -- beyond the protocol ---------------------------------------------------------------
 
-    def check_server(self) -> None:
+    def check_server(self, prefix: str | None = None) -> None:
         """Warn once per process if this server may evict locks (``stores/server.py``), and
-        ask it whether it swaps (:mod:`.cas`), so that forked workers know without asking."""
+        ask it whether it swaps (:mod:`.cas`), so that forked workers know without asking;
+        ``prefix``: the locks' key prefix, under which the probe writes its key (a user
+        whose ACL reaches only those keys)."""
         server.warn_once(self.client, describe_client(self.client))
-        self._swaps()
+        self.swaps(prefix or self._probe_prefix)
 
     def reserve_many(
         self, items: Sequence[tuple[str, str, int, str]], *, fresh: bool = False,
