@@ -181,3 +181,27 @@ def test_the_probe_writes_under_the_locks_prefix_where_the_users_acl_reaches(
         assert RedisStore(client()).compare_and_set is False  # "taskdedup:probe:…": refused
     finally:
         redis_client.acl_deluser(user)
+
+
+def test_an_error_that_is_not_about_the_swap_is_reported_and_changes_nothing() -> None:
+    """A server out of memory (``noeviction`` at its limit) refuses the swap and the script
+    alike: the claim raises StoreUnavailableError, as with the scripts, and the store keeps
+    swapping once the server has room again (only a syntax error turns it to the scripts)."""
+    from taskdedup.exceptions import StoreUnavailableError
+    from taskdedup.testing import RedisServer
+
+    with RedisServer() as server:
+        client = redis.Redis.from_url(server.url)
+        store = RedisStore(client)
+        if not store.compare_and_set:
+            pytest.skip("this server does not swap (Redis < 8.4)")
+        owner = str(uuid.uuid4())
+        store.reserve("k", owner, LONG)
+        client.config_set("maxmemory-policy", "noeviction")
+        client.config_set("maxmemory", 1)  # every write refused: OOM
+        with pytest.raises(StoreUnavailableError):
+            store.claim("k", owner, LONG)
+        client.config_set("maxmemory", 0)
+        assert store.compare_and_set is True
+        assert store.claim("k", owner, LONG) == ACQUIRED
+        client.close()

@@ -343,9 +343,12 @@ class RedisStore:
         return self._cas
 
     def _swap_refused(self, exc: ResponseError) -> None:
-        """A swap answered an error other than a foreign key type: the server no longer
-        takes it (a failover to an older server). The scripts do it from now on."""
-        if self._cas and not str(exc).startswith("WRONGTYPE"):
+        """A swap answered an error (the script makes the step, and reports any error that is
+        not about the swap). A syntax error means the server no longer takes ``IFEQ`` (a
+        failover to an older server): the scripts make every step from now on. Others (a
+        foreign key's type, OOM, READONLY) say nothing about the swap and change nothing."""
+        text = str(exc).lower()
+        if self._cas and ("syntax" in text or "ifeq" in text):
             self._cas = False
             logger.warning("taskdedup: %s refused SET IFEQ (%s): claims and completions run "
                            "their scripts from now on", describe_client(self.client), exc)
