@@ -227,7 +227,7 @@ def bars(rows: list[Row], memory_keys: int) -> list[Bar]:
     workers = [r for r in rows if r.section.startswith(("celery worker", "rq worker"))
                and r.baseline is not None]
     for row in workers:
-        if row.round_trips is not None:
+        if row.round_trips is not None and row.name.startswith("taskdedup"):  # not the peers'
             out.append(Bar(f"Claim + complete round trips per task, {row.section}", "= 2",
                            f"{row.round_trips:.2f} per task (EVALSHA, or SET IFEQ)",
                            abs(row.round_trips - 2.0) < 0.05))
