@@ -12,4 +12,8 @@ if sys.argv[1:2] == ["outbox"]:  # the outbox (taskdedup.sql.outbox): its own ru
     from .outbox import main as outbox
 
     raise SystemExit(outbox(sys.argv[2:]))
+if sys.argv[1:2] == ["ab"]:  # one worker path, two code trees (benchmarks/ab.py)
+    from .ab import main as ab
+
+    raise SystemExit(ab(sys.argv[2:]))
 raise SystemExit(main())

@@ -249,3 +249,24 @@ def test_rq_enqueue_compares_coalesce_and_debounce_with_plain_in_one_run(
     assert added == {RQ_COALESCE: 1, RQ_DEBOUNCE: Sizes.quick().enqueue + 1}
     assert rows[("rq enqueue (distinct)", RQ_COALESCE)].round_trips == 1.0
     assert rows[("rq enqueue (distinct)", RQ_DEBOUNCE)].round_trips == 2.0
+
+
+def test_the_ab_harness_runs_two_trees_side_by_side(redis_url: str) -> None:
+    """``python -m benchmarks ab OLD NEW`` (here the same tree twice, tiny batches): a
+    worker per tree, and per tree the ratio, the CPU per task and the server's commands per
+    task, gated above plain by the claim and the completion."""
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "ab", str(ROOT), str(ROOT), "--rounds", "1",
+         "--tasks", "30", "--url", redis_url],
+        cwd=ROOT, capture_output=True, text=True, timeout=240,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    summaries = [line for line in done.stdout.splitlines() if "per task, plain → gated" in line]
+    assert len(summaries) == 2, done.stdout
+    # a SET each where the server swaps; else an EVALSHA each with its GET and SET inside
+    added = 2 if RedisStore(redis.Redis.from_url(redis_url)).compare_and_set else 6
+    for line in summaries:
+        plain, gated = (float(x) for x in
+                        line.split("server commands ")[1].split(" → "))
+        assert plain == pytest.approx(10, abs=1)
+        assert gated == pytest.approx(plain + added, abs=0.5), line
