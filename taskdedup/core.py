@@ -38,7 +38,7 @@ from .stores.base import SETTLE_AFTER, LockResult, LockState, Outcome, Store
 __all__ = [
     "Deduplicator", "GateCall", "GateResult", "Heartbeat", "Identity", "SentGate", "StartResult",
     "Verdict",
-    "copy_wait", "resolve_duplicate",
+    "check_hint", "copy_wait", "resolve_duplicate",
 ]
 
 DEFAULT_PREFIX = "taskdedup"
@@ -67,6 +67,17 @@ class Identity:
 
     key: str
     check: str = ""
+
+
+_HEX = frozenset("0123456789abcdef")
+
+
+def check_hint(value: object) -> str:
+    """An argument check a message carries (a Celery header's, an RQ job's meta), if it is
+    one (32 hex digits), else "": a hint for the worker's claim, dropped when malformed."""
+    if isinstance(value, str) and len(value) == 32 and _HEX.issuperset(value):
+        return value
+    return ""
 
 
 class Verdict(StrEnum):
@@ -402,32 +413,40 @@ class Deduplicator:
 
     # -- worker ---------------------------------------------------------------------------
 
-    def send_start(self, policy: Policy, key: str, owner: str) -> Any | None:
+    def send_start(self, policy: Policy, key: str, owner: str, *, check: str = ""
+                   ) -> Any | None:
         """The claim of :meth:`start`, sent now and read by ``start(..., sent=...)``: an
         integration with a round trip of its own to make first (kombu's unacked record)
         sends the claim before it, so both wait on the server together. None when it cannot
         go ahead (a store without ``send_claim``, ``until_executing``, an approximate
-        window): then ``start`` claims as usual."""
+        window): then ``start`` claims as usual. ``check``: as in :meth:`start`."""
         send = getattr(self.store, "send_claim", None)
         if send is None or policy.window is not None or policy.mode is Mode.UNTIL_EXECUTING:
             return None
         if not self._store_checked:
             self.check_store()
-        return send(key, owner, policy.lease_ms, **self._claim_hint(policy))
+        return send(key, owner, policy.lease_ms, **self._claim_hint(policy, check))
 
-    def _claim_hint(self, policy: Policy) -> dict[str, bool]:
-        """``reserved=False`` for a store that takes it (RedisStore: the first command of
-        its claim) when the mode reserves nothing at enqueue (``while_executing``)."""
-        if policy.mode.gates_enqueue or not getattr(self.store, "claim_takes_reserved", False):
+    def _claim_hint(self, policy: Policy, check: str) -> dict[str, Any]:
+        """What a store that takes hints (RedisStore: the first command of its claim) is told
+        of the lock the claim expects: none reserved (``while_executing``), or the argument
+        check the reservation holds (an explicit key's, carried by the message). A hint
+        picks a command, never an outcome: a wrong one costs a round trip."""
+        if not getattr(self.store, "claim_takes_reserved", False):
             return {}
-        return {"reserved": False}
+        if not policy.mode.gates_enqueue:
+            return {"reserved": False}
+        return {"check": check} if check else {}
 
     def start(self, name: str, policy: Policy, key: str, owner: str, *,
-              sent: Any = None) -> StartResult:
+              sent: Any = None, check: str = "") -> StartResult:
         """Guard a body about to run: claim the running lock and start its heartbeat.
 
         ``until_executing`` does not gate execution: its reservation is released here and
         the body always runs. ``sent``: this claim, sent ahead by :meth:`send_start`.
+        ``check``: the argument check the message says its reservation holds (an explicit
+        key's digest, "" for none): a hint for the store's first command, never trusted for
+        the outcome.
 
         Raises:
             StoreUnavailableError: Redis is down and ``on_store_error='raise'``; the
@@ -447,7 +466,7 @@ class Deduplicator:
                                           window=probe)
             else:
                 result = self.store.claim(key, owner, policy.lease_ms,
-                                          **self._claim_hint(policy))
+                                          **self._claim_hint(policy, check))
         except StoreUnavailableError as exc:
             return self.store_error(name, policy, key, owner, exc, "start")
         if result.outcome is Outcome.ACQUIRED:

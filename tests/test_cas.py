@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections import Counter
+from typing import Any
 
 import pytest
 import redis
@@ -130,8 +131,8 @@ def test_a_server_that_stops_taking_swaps_turns_the_store_to_its_scripts(
     store.reserve("k", owner, LONG)
     real = cas.claim_command
 
-    def refused(key: str, owner: str, lease_ms: int, *, reserved: bool = True) -> tuple:
-        command, expect = real(key, owner, lease_ms, reserved=reserved)
+    def refused(key: str, owner: str, lease_ms: int, **hints: Any) -> tuple:
+        command, expect = real(key, owner, lease_ms, **hints)
         return (*command, "NOT-AN-OPTION"), expect
 
     monkeypatch.setattr(cas, "claim_command", refused)
@@ -205,3 +206,60 @@ def test_an_error_that_is_not_about_the_swap_is_reported_and_changes_nothing() -
         assert store.compare_and_set is True
         assert store.claim("k", owner, LONG) == ACQUIRED
         client.close()
+
+
+@pytest.mark.parametrize(("hint", "claim_trips"), [("right", 1), ("none", 2), ("forged", 2)])
+def test_an_explicit_keys_claim_swaps_at_once_with_its_check_and_its_completion_always(
+    redis_client: redis.Redis, hint: str, claim_trips: int,
+) -> None:
+    """A reservation holding an argument check (``dedup_key=``): with the check the message
+    carries, the claim is one swap; without it, or with a forged one, the swap misses and the
+    script claims (one more round trip) — the outcome and the value are the same. The
+    completion swaps at once either way: the claim remembers the check (from its hint, or
+    from the value the missed swap found)."""
+    store = RedisStore(redis_client)
+    if not store.compare_and_set:
+        pytest.skip("this server does not swap (Redis < 8.4): a script each, one round trip")
+    owner = str(uuid.uuid4())
+    assert store.reserve("k", owner, LONG, CHECK) == ACQUIRED
+    given = {"right": CHECK, "none": "", "forged": "d" * 32}[hint]
+    with RoundTripCounter() as sent:
+        assert store.claim("k", owner, LONG, check=given) == ACQUIRED
+    assert sent.round_trips == claim_trips
+    assert redis_client.get("k") == f"R|{CHECK}|{owner}".encode()
+    with RoundTripCounter() as sent:
+        assert store.complete("k", owner, 0, finished_ms=LONG) is Outcome.OK
+    assert sent.round_trips == 1 and sent.commands == Counter({"SET": 1})
+    assert redis_client.get("k") == f"F|{CHECK}|{owner}".encode()
+    assert store._checks == {}  # remembered until the completion, no longer
+
+
+def test_a_malformed_check_hint_is_dropped(redis_client: redis.Redis) -> None:
+    """A check from a message is only ever 32 hex digits: anything else is no hint (the
+    swap then expects none), never a value written into the lock."""
+    store = RedisStore(redis_client)
+    owner = str(uuid.uuid4())
+    assert store.reserve("k", owner, LONG) == ACQUIRED
+    assert store.claim("k", owner, LONG, check="x|y") == ACQUIRED
+    assert redis_client.get("k") == f"R||{owner}".encode()
+
+
+def test_an_rq_job_with_an_explicit_key_carries_its_check_to_the_worker(
+    redis_client: redis.Redis,
+) -> None:
+    from taskdedup.rq import DedupQueue
+    from taskdedup.rq.meta import trusted_guard
+    from tests import rq_jobs
+
+    queue = DedupQueue(f"cas-{uuid.uuid4().hex[:8]}", connection=redis_client,
+                       dedup=Policy(ttl=60))
+    job = queue.enqueue(rq_jobs.record, "cas", 1, dedup_key="ORD-1")
+    plain = queue.enqueue(rq_jobs.record, "cas", 2)
+    assert job is not None and plain is not None
+    guard = trusted_guard(job, queue.dedup)
+    assert guard is not None
+    info = queue.dedup.store.get(guard.key)
+    assert info is not None and len(info.check) == 32
+    assert guard.check == info.check
+    assert trusted_guard(plain, queue.dedup).check == ""  # type: ignore[union-attr]
+    queue.empty()

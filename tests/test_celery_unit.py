@@ -214,6 +214,26 @@ def test_gated_publish_carries_the_lock_key_and_reserves_it(
     assert (info.state, info.owner) == (LockState.QUEUED, result.id)
 
 
+def test_an_explicit_keys_publish_carries_its_argument_check_for_the_workers_claim(
+    app: Celery, published: list[dict[str, Any]]
+) -> None:
+    """``dedup_key=``: the reservation holds the arguments' digest, and the header carries it
+    (``"check"``), so the worker's claim expects that value; a call without one carries none.
+    A republish (a retry) keeps it."""
+    @dtask(app, dedup=Policy(ttl=60))
+    def charge(user_id: int, amount: int) -> None: ...
+
+    result = charge.apply_async((42, 5), dedup_key="ORD-1")
+    header = published[0][HEADER]
+    info = store_of(app).get(header["key"])
+    assert info is not None and info.owner == result.id
+    assert len(info.check) == 32 and header["check"] == info.check
+    charge.delay(43, amount=5)
+    assert "check" not in published[1][HEADER]
+    charge.apply_async((42, 5), task_id=result.id, headers={HEADER: header})  # a republish
+    assert published[2][HEADER]["check"] == info.check
+
+
 def test_duplicate_publish_returns_the_original_and_sends_nothing(
     app: Celery, published: list[dict[str, Any]]
 ) -> None:

@@ -1,7 +1,10 @@
 """What a gated message carries: the ``taskdedup`` header, read on both sides.
 
 The caller puts ``{"task": name, "key": lock key}`` (or ``"off": 1`` for a bypassed call) in
-the message headers, so the worker never recomputes the identity; the worker marks the request
+the message headers, so the worker never recomputes the identity; a call with an explicit key
+(``dedup_key=``) adds ``"check"``, the argument digest its reservation holds, so the worker's
+claim expects that value (a hint: a wrong one costs a round trip, never an outcome). The
+worker marks the request
 with the lock it claimed. A duplicate that is published anyway, because it continues a
 workflow, is *marked*: ``"dup"`` names the original, ``"wf"`` says whether its workflow ends in
 an error; the worker ends it without running the body.
@@ -12,9 +15,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ..core import check_hint
+
 __all__ = [
     "COMPLETED_ATTR", "HEADER", "RELEASED_ATTR", "RUNNING_ATTR", "SKIPPED", "SKIP_ATTR",
-    "STATE_ATTR", "TRACED_ATTR", "carried_key", "is_off", "marked", "mark", "request_header",
+    "STATE_ATTR", "TRACED_ATTR", "carried_check", "carried_key", "is_off", "marked", "mark",
+    "request_header",
 ]
 
 HEADER = "taskdedup"
@@ -47,6 +53,14 @@ def carried_key(raw: Any, task_name: str) -> str | None:
         if isinstance(key, str) and key:
             return key
     return None
+
+
+def carried_check(raw: Any, task_name: str) -> str:
+    """The argument check the caller put in the header (32 hex digits), or "" (none, or not
+    one: a forged or malformed field is a hint that is dropped)."""
+    if isinstance(raw, Mapping) and raw.get("task") == task_name:
+        return check_hint(raw.get("check"))
+    return ""
 
 
 def is_off(raw: Any, task_name: str) -> bool:

@@ -41,7 +41,7 @@ from ..pids import pid as this_pid
 from ..policy import OnDuplicate, is_disabled
 from ..stores.base import Outcome
 from . import _compat
-from ._message import HEADER, carried_key, is_off, marked
+from ._message import HEADER, carried_check, carried_key, is_off, marked
 from .config import get_deduplicator
 
 __all__ = ["ClaimAhead", "DedupRequest", "abandon", "discard", "send_ahead", "take"]
@@ -140,7 +140,7 @@ def send_ahead(task: Any, task_id: Any, fields: Mapping[str, Any]) -> Any | None
             _ahead[task_id] = None
         for tid in left:
             abandon(tid)
-        sent = dedup.send_start(policy, key, task_id)
+        sent = dedup.send_start(policy, key, task_id, check=carried_check(raw, name))
     except Exception:  # anything odd: before_start claims as before, and says what is wrong
         logger.debug("taskdedup: the claim of %s was not sent ahead", task_id, exc_info=True)
         with _lock:

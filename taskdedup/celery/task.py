@@ -62,6 +62,7 @@ from ._message import (
     SKIPPED,
     STATE_ATTR,
     TRACED_ATTR,
+    carried_check,
     carried_key,
     is_off,
     mark,
@@ -206,10 +207,14 @@ class DedupTask(Task):  # type: ignore[misc]
                 self.name, policy, args or (), kwargs, func=self._func(), dedup_key=dedup_key
             )
         headers[HEADER] = {"task": self.name, "key": identity.key}
+        if identity.check:  # an explicit key's: the worker's claim expects it
+            headers[HEADER]["check"] = identity.check
         coalesce = False
         is_eager = self.app.conf.task_always_eager  # read once: a lookup costs microseconds
         if carried is not None and isinstance(previous, Mapping):  # a republish keeps them
             headers[HEADER].update({f: previous[f] for f in _FLOW_FIELDS if f in previous})
+            if check := carried_check(previous, self.name):
+                headers[HEADER]["check"] = check
         elif not (no_reserve or outbox or is_eager):
             if policy.debounce is not None:
                 return self._publish_debounced(policy, identity, task_id, publish, headers,
@@ -707,6 +712,7 @@ class DedupTask(Task):  # type: ignore[misc]
             return
         dedup = get_deduplicator(self.app)
         key = self._carried(dedup, policy, raw, task_id)
+        check = carried_check(raw, self.name) if key is not None else ""
         duplicate = marked(raw, self.name)
         if duplicate is not None:  # found at enqueue, published anyway (workflow, retry)
             logger.debug("taskdedup: skipped %s[%s]: a duplicate of %s found when it was "
@@ -721,7 +727,7 @@ class DedupTask(Task):  # type: ignore[misc]
             sent, ahead[0] = early[1], None
         try:
             if generation is None:
-                result = dedup.start(self.name, policy, key, task_id, sent=sent)
+                result = dedup.start(self.name, policy, key, task_id, sent=sent, check=check)
             else:  # debounce / coalesce: the claim compares the message's generation
                 result = flow.claim(dedup, self.name, policy, key, task_id,
                                     generation=generation, follow_up=follow_up)

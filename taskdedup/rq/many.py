@@ -130,7 +130,7 @@ def _prepare(queue: DedupQueue, data: Any) -> _Call:
     name, bind_to = task_of(data.func)
     identity = queue.dedup.identity(name, policy, data.args or (), data.kwargs or {},
                                     func=bind_to, dedup_key=dedup_key)
-    meta[META_KEY] = meta_entry(name, identity.key, policy)
+    meta[META_KEY] = meta_entry(name, identity.key, policy, identity.check)
     call = _Call(data._replace(job_id=job_id, meta=meta), name, policy, identity,
                  given_id=given_id)
     if not policy.mode.gates_enqueue:  # while_executing: guarded at the worker only

@@ -16,7 +16,7 @@ from typing import Any, Final, cast
 from rq.job import Job
 
 from ..approximate import Approximate
-from ..core import MAX_KEY_LENGTH, Deduplicator, GateResult, skipped_value
+from ..core import MAX_KEY_LENGTH, Deduplicator, GateResult, check_hint, skipped_value
 from ..events import logger
 from ..exceptions import ConfigurationError
 from ..policy import Debounce, OnBusy, OnDuplicate, Policy, is_disabled
@@ -48,15 +48,21 @@ class Guard:
     name: str
     key: str
     policy: Policy
+    check: str = ""
+    """The argument check the reservation holds (an explicit key's), as the meta says: a
+    hint for the claim's first command, never trusted for its outcome."""
 
 
-def meta_entry(name: str, key: str, policy: Policy) -> dict[str, Any]:
+def meta_entry(name: str, key: str, policy: Policy, check: str = "") -> dict[str, Any]:
     """The ``job.meta`` entry of a gated call: its identity and the policy fields the worker
-    needs (to check the key, and to recompute it from the arguments when it fails the check)."""
+    needs (to check the key, and to recompute it from the arguments when it fails the check);
+    ``check``: an explicit key's argument digest, which the worker's claim expects."""
     entry: dict[str, Any] = {
         "task": name, "key": key, "mode": policy.mode.value, "ttl": policy.ttl,
         "lease": policy.lease, "on_store_error": policy.on_store_error.value,
     }
+    if check:
+        entry["check"] = check
     window = policy.window
     if window is not None:
         entry["window"] = [window.capacity, window.error_rate, window.slices,
@@ -174,7 +180,7 @@ def _check(job: Job, dedup: Deduplicator) -> Guard | None:
         return None
     key = dedup.trusted_key(name, policy, raw.get("key")) if raw.get("task") == name else None
     if key is not None:
-        return Guard(name, key, policy)
+        return Guard(name, key, policy, check_hint(raw.get("check")))
     given = raw.get("key")
     logger.warning(
         "taskdedup: job %s (%s) carries a lock key in its meta that is not one of this task's "

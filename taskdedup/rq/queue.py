@@ -250,7 +250,7 @@ class DedupQueue(Queue):
         owner = job_id or str(uuid.uuid4())
         create["job_id"] = owner
         create["meta"] = {**(params.get("meta") or {}),
-                          META_KEY: meta_entry(name, identity.key, policy)}
+                          META_KEY: meta_entry(name, identity.key, policy, identity.check)}
         job = self.create_job(**create)  # RQ validates its options before anything is stored
         flows = _compat.is_async(self) and not unique  # a synchronous queue runs it now
         if policy.debounce is not None and flows:  # its countdown replaces `when`
@@ -565,7 +565,8 @@ class DedupQueue(Queue):
             return super().run_sync(job)
         claim: GateResult | StoreUnavailableError
         try:
-            claim = self.dedup.start(guard.name, guard.policy, guard.key, job.id)
+            claim = self.dedup.start(guard.name, guard.policy, guard.key, job.id,
+                                     check=guard.check)
         except StoreUnavailableError as exc:  # the job fails with it (run_job raises it)
             claim = exc
         if isinstance(claim, GateResult) and claim.verdict is Verdict.FINISHED:

@@ -202,7 +202,8 @@ class DedupWorker(Worker):
             stats.hold_threads()
         try:
             if generation is None:
-                result = self.dedup.start(guard.name, guard.policy, guard.key, job.id)
+                result = self.dedup.start(guard.name, guard.policy, guard.key, job.id,
+                                          check=guard.check)
             else:  # debounce / coalesce: the claim compares the job's generation
                 result = flow.claim(self.dedup, guard.name, guard.policy, guard.key, job.id,
                                     generation=generation, follow_up=follow_up)

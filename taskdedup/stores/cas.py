@@ -26,37 +26,53 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Command", "claim_command", "complete_command", "probe"]
+__all__ = ["Command", "claim_command", "complete_command", "held_check", "probe"]
 
 Command = tuple[Any, ...]
 
 
-def claim_command(key: str, owner: str, lease_ms: int, *, reserved: bool = True
-                  ) -> tuple[Command, bytes | None]:
+def claim_command(key: str, owner: str, lease_ms: int, *, reserved: bool = True,
+                  check: str = "") -> tuple[Command, bytes | None]:
     """The claim as one ``SET`` and the reply that says it was made.
 
     ``reserved``: the caller's own QUEUED lock is expected (every mode that reserves at
     enqueue), swapped for RUNNING; else (``while_executing``) no lock is, and ``NX`` takes
-    it. ``owner`` as the store writes it (compact or text)."""
-    running = "R||" + owner
+    it. ``owner`` as the store writes it (compact or text); ``check``: the argument digest
+    the reservation holds (an explicit key's), "" for none (unused without a reservation)."""
     if reserved:
-        queued = "Q||" + owner
-        return ("SET", key, running, "IFEQ", queued, "PX", lease_ms, "GET"), queued.encode()
-    return ("SET", key, running, "NX", "PX", lease_ms, "GET"), None
+        queued = f"Q|{check}|{owner}"
+        return (("SET", key, f"R|{check}|{owner}", "IFEQ", queued, "PX", lease_ms, "GET"),
+                queued.encode())
+    # as the script takes an absent lock: no check (nothing reserved one)
+    return ("SET", key, "R||" + owner, "NX", "PX", lease_ms, "GET"), None
 
 
-def complete_command(key: str, owner: str, ttl_ms: int, finished_ms: int
+def held_check(found: object, owner: str) -> str | None:
+    """The argument check of ``found`` (the value a claim's swap found) when it is this
+    owner's QUEUED or RUNNING lock holding one (an explicit key's), else None: the store
+    remembers it, so the completion swaps at once."""
+    if not isinstance(found, bytes) or len(found) < 35 or found[:1] not in (b"Q", b"R"):
+        return None
+    check, tail = found[2:34], found[34:]
+    if found[1:2] != b"|" or tail != b"|" + owner.encode():
+        return None
+    text = check.decode("ascii", "replace")
+    return text if all(c in "0123456789abcdef" for c in text) else None
+
+
+def complete_command(key: str, owner: str, ttl_ms: int, finished_ms: int, check: str = ""
                      ) -> tuple[Command, bytes] | None:
     """The completion as one ``SET`` and the reply that says it was made: RUNNING → DONE
     for ``ttl_ms`` (``until_expired``), or → the FINISHED tombstone for ``finished_ms``;
-    None where the completion deletes the lock (neither given: the script does that)."""
+    None where the completion deletes the lock (neither given: the script does that).
+    ``check`` as in :func:`claim_command` (kept in the value, as the script keeps it)."""
     if ttl_ms > 0:
-        value, px = "D||" + owner, ttl_ms
+        value, px = f"D|{check}|{owner}", ttl_ms
     elif finished_ms > 0:
-        value, px = "F||" + owner, finished_ms
+        value, px = f"F|{check}|{owner}", finished_ms
     else:
         return None
-    running = "R||" + owner
+    running = f"R|{check}|{owner}"
     return ("SET", key, value, "IFEQ", running, "PX", px, "GET"), running.encode()
 
 

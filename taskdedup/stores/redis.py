@@ -97,6 +97,9 @@ _ALLOW_HINT = "to run without dedup while the store is down: on_store_error='all
 # a store that is down must not pay a probe's timeout on every call.
 _ASK_AGAIN = 30.0
 
+# How many claimed locks' argument checks a store remembers for their completions.
+_CHECKS_KEPT = 10_000
+
 # reserve_many packs and sends this many commands per socket write.
 _SEND_SLICE = 1000
 
@@ -281,6 +284,9 @@ class RedisStore:
         self._cas: bool | None = None if compare_and_set and self._trails else False
         self._ask_after = 0.0  # monotonic time before which an unanswered probe is not redone
         self._probe_prefix = "taskdedup"  # the probe's key goes under it (check_server)
+        # The argument check (an explicit key's digest) of locks this process claimed holding
+        # one, by (key, stored owner): their completion swaps at once (``cas.held_check``).
+        self._checks: dict[tuple[str, str], str] = {}
 
     @classmethod
     def from_url(cls, url: str, *, compact_owners: bool = False, compare_and_set: bool = True,
@@ -341,6 +347,13 @@ class RedisStore:
             logger.debug("taskdedup: %s: claims and completions %s", describe_client(
                 self.client), "swap with SET IFEQ" if self._cas else "run their scripts")
         return self._cas
+
+    def _held(self, key: str, stored: str, check: str) -> None:
+        """Remember the check of a lock this process now runs (its completion expects it)."""
+        checks = self._checks
+        if len(checks) >= _CHECKS_KEPT:  # completions never made (a lost process's): oldest
+            del checks[next(iter(checks))]
+        checks[key, stored] = check
 
     def _swap_refused(self, exc: ResponseError) -> None:
         """A swap answered an error (the script makes the step, and reports any error that is
@@ -484,32 +497,36 @@ class RedisStore:
         return self._send(script, "replace" if replace else "reserve", key,
                           self._stored(owner), ttl_ms, check, "1" if fresh else "0")
 
-    def send_claim(self, key: str, owner: str, lease_ms: int, *, reserved: bool = True
-                   ) -> SentClaim | SentReserve | None:
+    def send_claim(self, key: str, owner: str, lease_ms: int, *, reserved: bool = True,
+                   check: str = "") -> SentClaim | SentReserve | None:
         """Send :meth:`claim` (no approximate window) without waiting for its reply, so the
         worker can do other work (kombu's own round trip) while Redis runs the script; its
         ``read()`` answers as :meth:`claim` does. It goes out on this thread's connection
         for completions (:mod:`.trail`), after the completions sent before it (the server
         runs them first: the same identity may follow at once), and its reply is read with
         theirs, often in the same socket read. None as for :meth:`send_reserve`.
-        ``reserved``: as in :meth:`claim`."""
+        ``reserved``, ``check``: as in :meth:`claim`."""
         if self._take_connection is None:
             return None
         check_owner(owner)
         check_ms("lease_ms", lease_ms)
         if self._trails is None:  # completions wait for their replies: nothing owed
             return self._send(self._claim, "claim", key, self._stored(owner), lease_ms)
-        return self._trail_claim(key, owner, lease_ms, reserved)  # not sent: read() calls
+        return self._trail_claim(key, owner, lease_ms, reserved, check)  # unsent: read() calls
 
-    def _trail_claim(self, key: str, owner: str, lease_ms: int,
-                     reserved: bool = True) -> SentClaim:
+    def _trail_claim(self, key: str, owner: str, lease_ms: int, reserved: bool = True,
+                     check: str = "") -> SentClaim:
         """A claim sent on this thread's trail, behind its completions: a swap where the
         server takes one (:mod:`.cas`), else the script."""
         sent = SentClaim(self, key, owner, lease_ms)
         stored = self._stored(owner)
         command: tuple[Any, ...]
         if self._swaps():
-            command, sent.expect = cas.claim_command(key, stored, lease_ms, reserved=reserved)
+            if not _CHECK.fullmatch(check):
+                check = ""  # a hint from a message: only ever a digest, else none
+            command, sent.expect = cas.claim_command(key, stored, lease_ms, reserved=reserved,
+                                                     check=check)
+            sent.check = check
         else:
             command = ("EVALSHA", self._claim.sha, 1, key, stored, lease_ms)
         sent.trail = self._trails.send(command, sent.reply)  # type: ignore[union-attr]
@@ -565,17 +582,18 @@ class RedisStore:
 
     def claim(
         self, key: str, owner: str, lease_ms: int, *, window: Probe | None = None,
-        reserved: bool = True,
+        reserved: bool = True, check: str = "",
     ) -> LockResult:
         """See :meth:`taskdedup.stores.Store.claim` (``window`` as in :meth:`reserve`).
         ``reserved``: whether the caller's own QUEUED lock is expected (False for
-        ``while_executing``, which reserves nothing): it picks the swap tried first, never
+        ``while_executing``, which reserves nothing); ``check``: the argument check it is
+        expected to hold (an explicit key's digest). Both pick the swap tried first, never
         the outcome."""
         check_owner(owner)
         check_ms("lease_ms", lease_ms)
         if self._trails is not None:
             if window is None:  # on the completions' connection, behind them: one read
-                sent = self._trail_claim(key, owner, lease_ms, reserved)
+                sent = self._trail_claim(key, owner, lease_ms, reserved, check)
                 if sent.trail is not None:
                     return sent.read()
             self._trails.settle_mine()  # the last completion's reply, arrived meanwhile
@@ -612,7 +630,9 @@ class RedisStore:
         if finished_ms:
             check_ms("finished_ms", finished_ms)
         owner = self._stored(owner)
-        swap = cas.complete_command(key, owner, ttl_ms, finished_ms) if self._swaps() else None
+        check = self._checks.pop((key, owner), "")
+        swap = (cas.complete_command(key, owner, ttl_ms, finished_ms, check) if self._swaps()
+                else None)
         if swap is not None:
             try:
                 reply = self._exchange([swap[0]])[0]
@@ -649,7 +669,9 @@ class RedisStore:
         if finished_ms:
             check_ms("finished_ms", finished_ms)
         stored = self._stored(owner)
-        swap = cas.complete_command(key, stored, ttl_ms, finished_ms) if self._swaps() else None
+        check = self._checks.pop((key, stored), "")
+        swap = (cas.complete_command(key, stored, ttl_ms, finished_ms, check) if self._swaps()
+                else None)
         if swap is not None:
             command, expect = swap
 
@@ -706,7 +728,10 @@ class RedisStore:
         """See :meth:`taskdedup.stores.Store.release`."""
         check_owner(owner)
         only = "Q" if only_queued else ""
-        return _OUTCOMES[self._eval(self._release, "release", key, self._stored(owner), only)]
+        stored = self._stored(owner)
+        if not only_queued:
+            self._checks.pop((key, stored), None)
+        return _OUTCOMES[self._eval(self._release, "release", key, stored, only)]
 
     # -- per-key limits (SPEC §16: taskdedup.limits) -----------------------------------------
 
@@ -934,6 +959,7 @@ class RedisStore:
 
 
 _UNREAD: Any = object()
+_CHECK = re.compile(r"(?:[0-9a-f]{32})?")  # an argument check, or none
 _SCRIPT: Any = object()  # SentClaim.expect of a claim sent as its script
 _ACQUIRED = LockResult(Outcome.ACQUIRED)
 
@@ -944,13 +970,15 @@ class SentClaim:
     Read it once with :meth:`read`, from any thread; :meth:`discard` reads and drops it.
     """
 
-    __slots__ = ("_lease_ms", "_owner", "_reply", "_store", "expect", "key", "trail")
+    __slots__ = ("_lease_ms", "_owner", "_reply", "_store", "check", "expect", "key", "trail")
 
     def __init__(self, store: RedisStore, key: str, owner: str, lease_ms: int) -> None:
         self._store = store
         self.expect: Any = _SCRIPT
         """For a swap (:mod:`.cas`): the reply that says it was made; else the claim ran
         its script."""
+        self.check = ""
+        """The argument check the swap expected (remembered for the completion)."""
         self.key = key
         """The lock key the claim is about."""
         self._owner = owner
@@ -984,6 +1012,8 @@ class SentClaim:
             raise reply
         if self.expect is not _SCRIPT:  # a swap
             if reply == self.expect:
+                if self.check:
+                    store._held(self.key, store._stored(self._owner), self.check)
                 return _ACQUIRED
             if isinstance(reply, ResponseError):
                 store._swap_refused(reply)
@@ -992,7 +1022,12 @@ class SentClaim:
             elif isinstance(reply, BaseException):
                 raise reply
             # not swapped: the script applies the whole state machine (one more round trip)
-            return store._claim_script(self.key, self._owner, self._lease_ms)
+            result = store._claim_script(self.key, self._owner, self._lease_ms)
+            stored = store._stored(self._owner)
+            check = cas.held_check(reply, stored)  # an explicit key's lock: remembered, so
+            if check and result.outcome is Outcome.ACQUIRED:  # its completion swaps at once
+                store._held(self.key, stored, check)
+            return result
         if isinstance(reply, RedisError):
             raise store._unavailable(f"claim {self.key!r}", reply) from reply
         if isinstance(reply, BaseException):
