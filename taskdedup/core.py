@@ -427,26 +427,29 @@ class Deduplicator:
             self.check_store()
         return send(key, owner, policy.lease_ms, **self._claim_hint(policy, check))
 
-    def _claim_hint(self, policy: Policy, check: str) -> dict[str, Any]:
+    def _claim_hint(self, policy: Policy, check: str, reserved: bool = True
+                    ) -> dict[str, Any]:
         """What a store that takes hints (RedisStore: the first command of its claim) is told
-        of the lock the claim expects: none reserved (``while_executing``), or the argument
-        check the reservation holds (an explicit key's, carried by the message). A hint
-        picks a command, never an outcome: a wrong one costs a round trip."""
+        of the lock the claim expects: none reserved (``while_executing``, or a message
+        published without taskdedup), or the argument check the reservation holds (an
+        explicit key's, carried by the message). A hint picks a command, never an outcome:
+        a wrong one costs a round trip."""
         if not getattr(self.store, "claim_takes_reserved", False):
             return {}
-        if not policy.mode.gates_enqueue:
+        if not (reserved and policy.mode.gates_enqueue):
             return {"reserved": False}
         return {"check": check} if check else {}
 
     def start(self, name: str, policy: Policy, key: str, owner: str, *,
-              sent: Any = None, check: str = "") -> StartResult:
+              sent: Any = None, check: str = "", reserved: bool = True) -> StartResult:
         """Guard a body about to run: claim the running lock and start its heartbeat.
 
         ``until_executing`` does not gate execution: its reservation is released here and
         the body always runs. ``sent``: this claim, sent ahead by :meth:`send_start`.
         ``check``: the argument check the message says its reservation holds (an explicit
-        key's digest, "" for none): a hint for the store's first command, never trusted for
-        the outcome.
+        key's digest, "" for none); ``reserved``: False for a message published without
+        taskdedup (sent by name: no reservation was made). Hints for the store's first
+        command, never trusted for the outcome.
 
         Raises:
             StoreUnavailableError: Redis is down and ``on_store_error='raise'``; the
@@ -466,7 +469,7 @@ class Deduplicator:
                                           window=probe)
             else:
                 result = self.store.claim(key, owner, policy.lease_ms,
-                                          **self._claim_hint(policy, check))
+                                          **self._claim_hint(policy, check, reserved))
         except StoreUnavailableError as exc:
             return self.store_error(name, policy, key, owner, exc, "start")
         if result.outcome is Outcome.ACQUIRED:

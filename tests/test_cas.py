@@ -263,3 +263,24 @@ def test_an_rq_job_with_an_explicit_key_carries_its_check_to_the_worker(
     assert guard.check == info.check
     assert trusted_guard(plain, queue.dedup).check == ""  # type: ignore[union-attr]
     queue.empty()
+
+
+def test_a_call_published_without_taskdedup_claims_its_absent_lock_in_one_command(
+    redis_client: redis.Redis,
+) -> None:
+    """A message sent by name (``send_task``, a client without taskdedup): nothing was
+    reserved, the worker says so (``reserved=False``), and the claim is ``SET NX``, not a
+    swap bound to miss; another call's reservation still makes it a duplicate."""
+    dedup = Deduplicator(RedisStore(redis_client))
+    policy = Policy(mode="until_executed", ttl=60)
+    dedup.start("cas.n", policy, dedup.lock_key("cas.n", "0" * 32), "warm-owner",
+                reserved=False)
+    key, owner = dedup.lock_key("cas.n", uuid.uuid4().hex), str(uuid.uuid4())
+    with RoundTripCounter() as sent:
+        assert dedup.start("cas.n", policy, key, owner, reserved=False).verdict.value == \
+            "accepted"
+    assert sent.round_trips == 1
+    other_key = dedup.lock_key("cas.n", uuid.uuid4().hex)
+    dedup.store.reserve(other_key, "someone-else", 60_000)
+    assert dedup.start("cas.n", policy, other_key, owner, reserved=False).verdict.value == \
+        "duplicate"

@@ -719,7 +719,8 @@ class DedupTask(Task):  # type: ignore[misc]
                          "published", self.name, task_id, duplicate[0])
             self._skip(request, key, duplicate[0], None, workflow=duplicate[1])
             return
-        if key is None:  # sent by name, or from a client without taskdedup
+        reserved = key is not None
+        if key is None:  # sent by name, or from a client without taskdedup: nothing reserved
             key = dedup.identity(self.name, policy, args, kwargs, func=self._func()).key
         generation, follow_up = _flow_generation(policy, raw, self.name)
         sent, early = None, ahead[0]
@@ -727,7 +728,8 @@ class DedupTask(Task):  # type: ignore[misc]
             sent, ahead[0] = early[1], None
         try:
             if generation is None:
-                result = dedup.start(self.name, policy, key, task_id, sent=sent, check=check)
+                result = dedup.start(self.name, policy, key, task_id, sent=sent, check=check,
+                                     reserved=reserved)
             else:  # debounce / coalesce: the claim compares the message's generation
                 result = flow.claim(dedup, self.name, policy, key, task_id,
                                     generation=generation, follow_up=follow_up)
