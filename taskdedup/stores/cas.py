@@ -9,10 +9,10 @@ With ``GET`` the reply is the value found, whether or not the swap was made, so 
 knows at once whether it was.
 
 Only the expected case is decided here: the reply is exactly the value the swap expected,
-so the swap was made. Anything else (no lock, another owner's, a copy's, an explicit key's
-argument check, the other owner form, an error) goes to the transition's script, which
-applies the whole state machine (``lua/claim.lua``, ``lua/complete.lua``): the rules live
-in one place, and an uncommon case costs one more round trip. Nothing was written by a
+so the swap was made. Anything else (no lock, another owner's, a copy's, an argument check
+the caller did not expect, the other owner form, an error) goes to the transition's script,
+which applies the whole state machine (``lua/claim.lua``, ``lua/complete.lua``): the rules
+live in one place, and an uncommon case costs one more round trip. Nothing was written by a
 swap that was not made.
 
 Whether a server does this is probed, not inferred from its version: :func:`probe` asks it

@@ -1,4 +1,5 @@
-"""RedisStore: the lock state machine in Redis / Valkey, one Lua call per step.
+"""RedisStore: the lock state machine in Redis / Valkey, one Lua call per step (a worker's
+claim and completion: one ``SET … IFEQ`` where the server compares and sets, :mod:`.cas`).
 
 Each transition is one script in ``taskdedup/stores/lua/`` that reads and writes only its
 ``KEYS[1]`` (so it runs on Redis Cluster), compares the owner before it writes (fencing by
@@ -6,8 +7,8 @@ task id) and returns small integers that map to :class:`~taskdedup.stores.base.O
 and :class:`~taskdedup.stores.base.LockState`. Scripts run with EVALSHA in one round
 trip; a server that lost them (restart, failover, ``SCRIPT FLUSH``) answers NOSCRIPT and
 the call is made again with EVAL, which also caches the script anew. Redis 6.2+ and
-Valkey; only EVALSHA, EVAL, SCRIPT LOAD (bulk path), GET, SET PX, PEXPIRE, PTTL, DEL and
-SCAN are used.
+Valkey; only EVALSHA, EVAL, SCRIPT LOAD (bulk path), GET, SET (PX; IFEQ, NX and GET for the
+swaps), PEXPIRE, PTTL, DEL and SCAN are used.
 
 Stored value: ``<state>|<check>|<owner>`` (see :func:`~taskdedup.stores.memory.parse_value`).
 
@@ -251,7 +252,8 @@ class RedisStore:
     #: reserve_many sends at most this many items per pipeline round trip.
     bulk_chunk = 10_000
 
-    #: :meth:`claim` and :meth:`send_claim` take ``reserved=`` (core passes it).
+    #: :meth:`claim` and :meth:`send_claim` take the hints ``reserved=`` and ``check=`` (the
+    #: deduplicator passes them to a store that says so).
     claim_takes_reserved = True
 
     def __init__(self, client: redis.Redis, *, compact_owners: bool = False,
@@ -352,7 +354,10 @@ class RedisStore:
         """Remember the check of a lock this process now runs (its completion expects it)."""
         checks = self._checks
         if len(checks) >= _CHECKS_KEPT:  # completions never made (a lost process's): oldest
-            del checks[next(iter(checks))]
+            try:
+                del checks[next(iter(checks))]
+            except (RuntimeError, StopIteration, KeyError):  # another thread changed it
+                pass
         checks[key, stored] = check
 
     def _swap_refused(self, exc: ResponseError) -> None:
