@@ -21,6 +21,7 @@ import redis
 from benchmarks.harness import RoundTripCounter, command_calls
 from taskdedup import Deduplicator, Policy, RedisStore
 from taskdedup.stores import cas
+from taskdedup.stores._compat import raw_exchange
 from taskdedup.stores.base import LockResult, LockState, Outcome
 from taskdedup.stores.server import read_facts
 
@@ -40,8 +41,9 @@ def warm(client: redis.Redis, connections: int = 4) -> None:
     """Connect a few of the pool's connections up front: a count of round trips must not
     include a new connection's handshake, made when a background thread (the stats flush)
     holds the one connection there was."""
-    pool = client.connection_pool
-    taken = [pool.get_connection() for _ in range(connections)]
+    pool, take = client.connection_pool, raw_exchange(client)  # redis-py 5 needs a name
+    assert take is not None
+    taken = [take() for _ in range(connections)]
     for conn in taken:
         conn.connect()
         pool.release(conn)
