@@ -630,14 +630,7 @@ class RedisStore:
 
     def complete(self, key: str, owner: str, ttl_ms: int, *, finished_ms: int = 0) -> Outcome:
         """See :meth:`taskdedup.stores.Store.complete`."""
-        check_owner(owner)
-        check_ms("ttl_ms", ttl_ms, allow_zero=True)
-        if finished_ms:
-            check_ms("finished_ms", finished_ms)
-        owner = self._stored(owner)
-        check = self._checks.pop((key, owner), "")
-        swap = (cas.complete_command(key, owner, ttl_ms, finished_ms, check) if self._swaps()
-                else None)
+        owner, swap = self._completion(key, owner, ttl_ms, finished_ms)
         if swap is not None:
             try:
                 reply = self._exchange([swap[0]])[0]
@@ -648,6 +641,20 @@ class RedisStore:
             if isinstance(reply, ResponseError):
                 self._swap_refused(reply)
         return self._complete_script(key, owner, ttl_ms, finished_ms)
+
+    def _completion(self, key: str, owner: str, ttl_ms: int, finished_ms: int
+                    ) -> tuple[str, tuple[tuple[Any, ...], bytes] | None]:
+        """A completion's arguments checked, the owner as stored, and its swap (:mod:`.cas`:
+        with the check remembered from the claim), or None where the script makes it."""
+        check_owner(owner)
+        check_ms("ttl_ms", ttl_ms, allow_zero=True)
+        if finished_ms:
+            check_ms("finished_ms", finished_ms)
+        stored = self._stored(owner)
+        check = self._checks.pop((key, stored), "")
+        if not self._swaps():
+            return stored, None
+        return stored, cas.complete_command(key, stored, ttl_ms, finished_ms, check)
 
     def _complete_script(self, key: str, stored: str, ttl_ms: int, finished_ms: int) -> Outcome:
         """The completion by its script (``complete.lua``): every case of the state
@@ -667,16 +674,11 @@ class RedisStore:
         this thread's next claim, from the heartbeat thread soon after, or at exit). False:
         nothing was sent (no raw connection here, or the send failed); call :meth:`complete`.
         """
-        check_owner(owner)
-        check_ms("ttl_ms", ttl_ms, allow_zero=True)
         if self._trails is None:
+            check_owner(owner)
+            check_ms("ttl_ms", ttl_ms, allow_zero=True)
             return False
-        if finished_ms:
-            check_ms("finished_ms", finished_ms)
-        stored = self._stored(owner)
-        check = self._checks.pop((key, stored), "")
-        swap = (cas.complete_command(key, stored, ttl_ms, finished_ms, check) if self._swaps()
-                else None)
+        stored, swap = self._completion(key, owner, ttl_ms, finished_ms)
         if swap is not None:
             command, expect = swap
 
