@@ -136,3 +136,12 @@ def identity_probe(label: str, sql_url: str, inner: bool = False) -> str:
     finally:
         engine.dispose()
     return label
+
+
+def freeze_count(label: str) -> int:
+    """Records how many objects the work-horse's collector holds frozen (``gc.freeze``)."""
+    import gc
+
+    count = gc.get_freeze_count()
+    effect(label, count)
+    return count
