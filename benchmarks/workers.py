@@ -162,10 +162,10 @@ def celery_workers(ctx: Context) -> list[Row]:
 def _guard_round_trips(cmds: dict[str, float]) -> float:
     """The worker's claim and completion per task, from the server's command counts: a
     script each (``EVALSHA``, whose inner ``GET``/``SET`` are not round trips), or on a server
-    with ``SET IFEQ`` a swap each (``SET``; ``taskdedup/stores/cas.py``). Plain workers and the
-    peers send neither (the peers' release is a ``DEL``)."""
-    scripts = cmds.get("evalsha", 0.0) + cmds.get("eval", 0.0)
-    return scripts if scripts else cmds.get("set", 0.0)
+    with ``SET IFEQ`` a swap each (``SET``; ``taskdedup/stores/cas.py``): their sum, as a
+    worker process's other scripts (a stats flush, a settle) also show in the counts, once in
+    a batch. Plain workers and the peers send neither (the peers' release is a ``DEL``)."""
+    return (cmds.get("evalsha", 0.0) + cmds.get("eval", 0.0)) + cmds.get("set", 0.0)
 
 
 def _celery_rows(pool: str, total: int, tasks: dict[str, Any], samples: dict[str, list[float]],

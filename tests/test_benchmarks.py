@@ -270,3 +270,14 @@ def test_the_ab_harness_runs_two_trees_side_by_side(redis_url: str) -> None:
                         line.split("server commands ")[1].split(" → "))
         assert plain == pytest.approx(10, abs=1)
         assert gated == pytest.approx(plain + added, abs=0.5), line
+
+
+def test_the_workers_guard_round_trips_count_swaps_and_scripts_together() -> None:
+    """A worker process's other script (a stats flush, once in a batch) must not hide the
+    swaps: the prefork row read 0.00 round trips when it did."""
+    from benchmarks.workers import _guard_round_trips
+
+    assert _guard_round_trips({"set": 2.0, "evalsha": 0.0005, "get": 0.001}) == \
+        pytest.approx(2.0005)
+    assert _guard_round_trips({"evalsha": 2.0, "get": 2.0}) == pytest.approx(2.0)
+    assert _guard_round_trips({"del": 1.0, "incrby": 1.0}) == 0.0
