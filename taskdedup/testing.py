@@ -193,7 +193,10 @@ class RedisServer:
 
     def _ping(self) -> bool:
         if self.process is not None and self.process.poll() is not None:
-            raise RuntimeError(f"{self.binary} exited with code {self.process.returncode}")
+            log = (self.dir / "server.log").read_text(errors="replace")[-2000:] \
+                if (self.dir / "server.log").exists() else ""
+            raise RuntimeError(f"{self.binary} exited with code {self.process.returncode} on "
+                               f"port {self.port}:\n{log}")
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
                 s.sendall(b"PING\r\n")

@@ -135,6 +135,10 @@ def cluster() -> Iterator[list[RedisServer]]:
         servers = _form_cluster(timeout=45)
     except TimeoutError:  # a bus port taken between free_port() and the bind: once more
         servers = _form_cluster(timeout=45)
+    except RuntimeError as exc:  # a server that exited as it started: a port taken meanwhile
+        if "in use" not in str(exc) and "bind" not in str(exc).lower():
+            raise
+        servers = _form_cluster(timeout=45)
     try:
         yield servers
     finally:
