@@ -24,6 +24,7 @@ from .. import stats
 from ..core import DEFAULT_PREFIX, Deduplicator
 from ..events import logger
 from ..exceptions import ConfigurationError
+from ..pids import ForkSafeLock
 from ..stores.base import Store
 from ..stores.owners import compact_setting
 from ..stores.redis import RedisStore
@@ -43,15 +44,25 @@ def get_deduplicator(app: Celery) -> Deduplicator:
     Key prefix: ``app.conf.taskdedup_prefix``, else ``TASKDEDUP_PREFIX``, else ``taskdedup``.
     """
     dedup: Deduplicator | None = app.__dict__.get("_taskdedup")
-    if dedup is None:
-        prefix = app.conf.get("taskdedup_prefix") or os.environ.get("TASKDEDUP_PREFIX")
-        prefix = prefix or DEFAULT_PREFIX
-        dedup = Deduplicator(_store_for(app), prefix=prefix)
-        if app.conf.get("taskdedup_stats", True):  # counters flushed to Redis off the hot path
-            interval = app.conf.get("taskdedup_stats_interval") or stats.DEFAULT_INTERVAL
-            stats.attach(dedup, interval=float(interval))
-        app.__dict__["_taskdedup"] = dedup
+    if dedup is not None:
+        return dedup
+    # Built under a lock: the threads of a threads pool ask at once on their first tasks, and
+    # two deduplicators in one process would not know each other's claims sent ahead
+    # (taskdedup.celery.ahead), heartbeats or counters.
+    with _BUILD_LOCK:
+        dedup = app.__dict__.get("_taskdedup")
+        if dedup is None:
+            prefix = app.conf.get("taskdedup_prefix") or os.environ.get("TASKDEDUP_PREFIX")
+            prefix = prefix or DEFAULT_PREFIX
+            dedup = Deduplicator(_store_for(app), prefix=prefix)
+            if app.conf.get("taskdedup_stats", True):  # counters flushed off the hot path
+                interval = app.conf.get("taskdedup_stats_interval") or stats.DEFAULT_INTERVAL
+                stats.attach(dedup, interval=float(interval))
+            app.__dict__["_taskdedup"] = dedup
     return dedup
+
+
+_BUILD_LOCK = ForkSafeLock()
 
 
 def own_store(app: Celery) -> bool:

@@ -724,8 +724,14 @@ class DedupTask(Task):  # type: ignore[misc]
             key = dedup.identity(self.name, policy, args, kwargs, func=self._func()).key
         generation, follow_up = _flow_generation(policy, raw, self.name)
         sent, early = None, ahead[0]
-        if early is not None and generation is None and early[1].key == key and early[2] is dedup:
-            sent, ahead[0] = early[1], None
+        if early is not None:
+            ahead[0] = None
+            if generation is None and early[1].key == key and early[2] is dedup:
+                sent = early[1]
+            else:  # sent for another lock or by a deduplicator the app has replaced since:
+                # read (and given back) before this claim, which would otherwise find the lock
+                # it took and take it for a copy of this very call running elsewhere
+                claimed_ahead.abandon(task_id, early)
         try:
             if generation is None:
                 result = dedup.start(self.name, policy, key, task_id, sent=sent, check=check,

@@ -12,6 +12,7 @@ import redis
 from .. import stats
 from ..core import DEFAULT_PREFIX, Deduplicator
 from ..exceptions import ConfigurationError
+from ..pids import ForkSafeLock
 from ..stores.base import Store
 from ..stores.owners import compact_setting
 from ..stores.redis import RedisStore
@@ -20,6 +21,7 @@ __all__ = ["get_deduplicator"]
 
 _by_client: weakref.WeakKeyDictionary[Any, dict[str, Deduplicator]] = weakref.WeakKeyDictionary()
 _by_url: dict[tuple[str, str], Deduplicator] = {}
+_BUILD_LOCK = ForkSafeLock()
 
 
 def get_deduplicator(
@@ -45,19 +47,24 @@ def get_deduplicator(
     url = store if isinstance(store, str) else None
     if store is None:
         url = os.environ.get("TASKDEDUP_URL") or None
-    if url is not None:
-        dedup = _by_url.get((url, prefix))
-        if dedup is None:
-            dedup = _by_url[(url, prefix)] = _new_deduplicator(
-                RedisStore.from_url(url, compact_owners=compact_setting()), prefix)
-        return dedup
     client = store if isinstance(store, redis.Redis) else connection
-    per_prefix = _by_client.setdefault(client, {})
-    dedup = per_prefix.get(prefix)
-    if dedup is None:
-        dedup = per_prefix[prefix] = _new_deduplicator(
-            RedisStore(client, compact_owners=compact_setting()), prefix)
-    return dedup
+    shared = _by_url.get((url, prefix)) if url is not None else (
+        _by_client.get(client) or {}).get(prefix)
+    if shared is not None:
+        return shared
+    with _BUILD_LOCK:  # one per store and prefix, even when threads ask at once
+        if url is not None:
+            dedup = _by_url.get((url, prefix))
+            if dedup is None:
+                dedup = _by_url[(url, prefix)] = _new_deduplicator(
+                    RedisStore.from_url(url, compact_owners=compact_setting()), prefix)
+            return dedup
+        per_prefix = _by_client.setdefault(client, {})
+        dedup = per_prefix.get(prefix)
+        if dedup is None:
+            dedup = per_prefix[prefix] = _new_deduplicator(
+                RedisStore(client, compact_owners=compact_setting()), prefix)
+        return dedup
 
 
 def _new_deduplicator(store: Store, prefix: str) -> Deduplicator:
