@@ -39,6 +39,20 @@ app.conf.update(
         "unacked_mutex_expire": 10,
     },
 )
+if os.environ.get("TASKDEDUP_TEST_SLOW_BUILD"):  # test instrumentation, not a seam of taskdedup
+    import taskdedup.celery.config
+    from taskdedup.core import Deduplicator
+
+    class _SlowToBuild(Deduplicator):
+        """Built in ``TASKDEDUP_TEST_SLOW_BUILD`` seconds more: threads that ask for the app's
+        deduplicator at once all find none built yet (``tests/test_celery_solo.py``)."""
+
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            time.sleep(float(os.environ["TASKDEDUP_TEST_SLOW_BUILD"]))
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+    taskdedup.celery.config.Deduplicator = _SlowToBuild  # type: ignore[misc]
+
 
 def configure(url: str, queue: str) -> None:
     """Point this module's app (in the test process) at the test server and a worker's queue:

@@ -71,6 +71,17 @@ def configure(url: str, queue: str) -> None:
     app._local.__dict__.pop("backend", None)
 
 
+def first_run(label: str) -> bool:
+    """Record this run (its process in ``fetch:ran:<label>``) and count it, in one ``MULTI``:
+    whether it is the first. A test that sees the record and kills the process then knows
+    the count went with it (apart, a kill between the two made the next run a first one,
+    which waited out the test)."""
+    with r().pipeline(transaction=True) as pipe:
+        pipe.rpush(f"fetch:ran:{label}", os.getpid())
+        pipe.incr(f"fetch:attempts:{label}")
+        return int(pipe.execute()[1]) == 1
+
+
 def ran(label: str) -> list[str]:
     """The processes that ran ``label``'s body, in order."""
     return [x.decode() for x in r().lrange(f"fetch:ran:{label}", 0, -1)]
@@ -96,8 +107,7 @@ def requeue_once(self: Any, label: str) -> str:
 @app.task(bind=True, max_retries=3)
 def retry_once(self: Any, label: str) -> str:
     """Asks for a retry (a new message, the old one acked) on its first run."""
-    r().rpush(f"fetch:ran:{label}", os.getpid())
-    if r().incr(f"fetch:attempts:{label}") == 1:
+    if first_run(label):
         raise self.retry(countdown=0.5)
     return label
 
@@ -105,8 +115,7 @@ def retry_once(self: Any, label: str) -> str:
 @app.task
 def lost_once(label: str) -> str:
     """Waits to be SIGKILLed on its first run (its pool process: reject_on_worker_lost)."""
-    r().rpush(f"fetch:ran:{label}", os.getpid())
-    if r().incr(f"fetch:attempts:{label}") == 1:
+    if first_run(label):
         time.sleep(60)
     return label
 
@@ -141,8 +150,7 @@ def gated(label: str, seconds: float = 0.0) -> str:
 def gated_lost_once(label: str) -> str:
     """A gated ``lost_once``: waits to be SIGKILLed on its first run (its pool process:
     ``reject_on_worker_lost`` requeues the message, its lock still running by its id)."""
-    r().rpush(f"fetch:ran:{label}", os.getpid())
-    if r().incr(f"fetch:attempts:{label}") == 1:
+    if first_run(label):
         time.sleep(60)
     return label
 

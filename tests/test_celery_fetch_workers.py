@@ -28,6 +28,7 @@ import redis
 from taskdedup import processing
 from taskdedup.testing import wait_for
 from tests.fetch_workers import PREFIX, FetchWorker, held, ran, start_all, unacked
+from tests.workers import stored_result
 
 pytestmark = pytest.mark.slow
 
@@ -100,7 +101,9 @@ def test_what_kombus_fetch_does_keeps_working_on_the_reliable_fetch(
         wait_for(lambda: ran(rc, lost) == 1, timeout=20, what="the first run started")
         (pid,) = rc.lrange(f"fetch:ran:{lost}", 0, -1)
         os.kill(int(pid), signal.SIGKILL)  # the pool process, not the worker
-        assert handle.get(timeout=30) == lost and ran(rc, lost) == 2
+        assert stored_result(fapp.app, handle.id, worker, about=lambda: (
+            f"ran {ran(rc, lost)}, queue {rc.llen(queue)}, held {held(rc)}")) == lost
+        assert ran(rc, lost) == 2
         failing = name("f")
         failed = fapp.fails.apply_async((failing,), queue=queue)
         with pytest.raises(RuntimeError):
@@ -454,20 +457,8 @@ def test_a_gated_task_requeued_for_a_lost_pool_process_waits_for_its_locks_lease
         wait_for(lambda: ran(rc, label) == 2, timeout=60, interval=0.1,
                  what="the requeued message ran again")
         delay = time.monotonic() - killed
-        # its stored result, read with GET: in one CI run (Celery 5.4 / Redis 7.0)
-        # handle.get() waited 30 s on the backend's pub/sub after the run; this says which
-        # state was stored instead
-        seen: list[Any] = []
-
-        def stored() -> bool:
-            seen[:] = [fapp.app.backend.get_task_meta(handle.id, cache=False)]
-            return bool(seen[0].get("status") == "SUCCESS")
-
-        try:
-            wait_for(stored, timeout=30, interval=0.1, what="the run's stored result")
-        except TimeoutError as exc:
-            raise AssertionError(f"no SUCCESS stored: {seen[0].get('status')!r}") from exc
-        assert seen[0]["result"] == label
+        assert stored_result(fapp.app, handle.id, worker, about=lambda: (
+            f"ran {ran(rc, label)}, queue {rc.llen(queue)}, held {held(rc)}")) == label
         assert ran(rc, label) == 2
         print(f"\na gated body's pool process SIGKILLed: run again {delay:.1f}s later "
               f"(lock lease 20s)")

@@ -226,3 +226,38 @@ def test_a_threads_pool_worker_guards_each_body(
         worker.stop()
     assert recorded(rc, names[0]) == []
     assert rc.get(held_key) == b"R||other-holder"
+
+
+def test_a_fresh_threads_pool_runs_its_first_calls_at_once_each_without_waiting(
+    capp: Any, rc: redis.Redis, redis_url: str,
+) -> None:
+    """Eight threads take their first gated calls at the same moment: each call runs once, at
+    once — none is put off as a copy of itself (its threads once built a deduplicator each, and
+    a claim sent ahead on one was claimed again on the other: ``tests/test_celery_ahead.py``).
+    The worker takes 0.2 s more to build the app's deduplicator, so the threads ask together."""
+    queue = f"{QUEUE}-threads8"
+    names = [label() for _ in range(16)]
+    calls = [staged(capp, rc, capp.record_until_executed, name) for name in names]
+    worker = CeleryWorker(redis_url, queue=queue, concurrency=8, pool="threads",
+                          env={"TASKDEDUP_TEST_SLOW_BUILD": "0.2"}).start()
+    try:
+        rc.rename(STAGE, worker.queue)
+        states: dict[str, Any] = {}
+
+        def all_stored() -> bool:
+            for task_id, _ in calls:
+                states[task_id] = capp.app.backend.get_task_meta(task_id, cache=False)
+            return all(meta.get("status") == "SUCCESS" for meta in states.values())
+
+        try:  # the lease is 30 s: a call put off waits at least that long
+            wait_for(all_stored, timeout=15, interval=0.2, what="every result stored")
+        except TimeoutError as exc:
+            waiting = [t for t, meta in states.items() if meta.get("status") != "SUCCESS"]
+            raise AssertionError(f"not run at once: {waiting}; worker log:\n"
+                                 f"{worker.output()[-4000:]}") from exc
+        for name, (task_id, _) in zip(names, calls, strict=True):
+            assert states[task_id]["result"] == name
+            assert recorded(rc, name) == ["0"]
+        assert "in another copy of its message" not in worker.output()
+    finally:
+        worker.stop()

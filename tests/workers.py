@@ -8,9 +8,9 @@ import subprocess
 import sys
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Self
+from typing import Any, Self
 
 import redis
 
@@ -164,3 +164,29 @@ class RqWorker(WorkerProcess):
             return False
         lock = f"rq:scheduler-lock:{self.queues[0]}"
         return not self.scheduler or bool(client.exists(lock))
+
+
+def stored_result(app: Any, task_id: str, worker: WorkerProcess, timeout: float = 30.0,
+                  about: Callable[[], str] | None = None) -> Any:
+    """The result a worker stored for ``task_id``, read with ``GET`` until it is ready (not
+    through the backend's pub/sub); raises it when it is a failure. When none comes by the
+    deadline, the AssertionError names the state stored, ``about()`` (what the test knows of
+    the call) and the end of the worker's log: a lost call, a hung one or a missed
+    notification tell themselves apart."""
+    seen: dict[str, Any] = {}
+
+    def ready() -> bool:
+        seen.update(app.backend.get_task_meta(task_id, cache=False))
+        return seen.get("status") in ("SUCCESS", "FAILURE", "REVOKED")
+
+    try:
+        wait_for(ready, timeout=timeout, interval=0.1, what=f"the result of {task_id}")
+    except TimeoutError as exc:
+        raise AssertionError(
+            f"no result for {task_id}: stored {seen.get('status')!r}"
+            f"{', ' + about() if about is not None else ''}; worker log:\n"
+            f"{worker.output()[-6000:]}") from exc
+    if seen["status"] != "SUCCESS":
+        result = seen.get("result")
+        raise result if isinstance(result, BaseException) else AssertionError(seen)
+    return seen.get("result")
