@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import redis
+from celery import signals
 
 from taskdedup.testing import RedisServer
 from tests.workers import CeleryWorker
@@ -34,6 +35,21 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=os.environ.get("TASKDEDUP_TEST_REDIS_URL"),
         help="use this Redis server instead of starting one (default: start valkey-server)",
     )
+
+
+@pytest.fixture
+def published() -> Iterator[list[dict[str, Any]]]:
+    """Headers of every Celery message published during the test (``before_task_publish``)."""
+    seen: list[dict[str, Any]] = []
+
+    def capture(sender: Any = None, headers: Any = None, **_: Any) -> None:
+        seen.append(dict(headers or {}))
+
+    signals.before_task_publish.connect(capture, weak=False)
+    try:
+        yield seen
+    finally:
+        signals.before_task_publish.disconnect(capture)
 
 
 @pytest.fixture(scope="session")

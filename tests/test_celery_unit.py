@@ -15,7 +15,7 @@ from typing import Any
 import celery.app.task
 import pytest
 import redis
-from celery import Celery, chain, signals
+from celery import Celery, chain
 from kombu.exceptions import EncodeError, OperationalError
 
 import taskdedup
@@ -65,21 +65,6 @@ def _gating_enabled(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     taskdedup.enable()
     yield
     taskdedup.enable()
-
-
-@pytest.fixture
-def published() -> Iterator[list[dict[str, Any]]]:
-    """Headers of every message published during the test."""
-    seen: list[dict[str, Any]] = []
-
-    def capture(sender: Any = None, headers: Any = None, **_: Any) -> None:
-        seen.append(dict(headers or {}))
-
-    signals.before_task_publish.connect(capture, weak=False)
-    try:
-        yield seen
-    finally:
-        signals.before_task_publish.disconnect(capture)
 
 
 @pytest.fixture
