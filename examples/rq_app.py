@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -65,8 +66,15 @@ def main() -> int:
         print(f"e-mails sent: {len(emails)}")
         return 0 if len(emails) == 1 and len(ids) == 1 else 1
     finally:
-        worker.terminate()
-        worker.wait(timeout=30)
+        worker.terminate()  # a warm shutdown: RQ lets a running job finish
+        try:
+            worker.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            # still running: stop it, and say where it was (with PYTHONFAULTHANDLER=1, as the
+            # test suite runs this file, SIGABRT prints every thread's stack first)
+            worker.send_signal(signal.SIGABRT)
+            worker.wait(timeout=30)
+            raise
         connection.close()
 
 

@@ -31,7 +31,7 @@ from .exceptions import (
     StoreUnavailableError,
 )
 from .identity import fingerprint, fingerprint_value
-from .pids import pid
+from .pids import ForkSafeLock, pid
 from .policy import Mode, OnBusy, OnDuplicate, OnStoreError, Policy
 from .stores.base import SETTLE_AFTER, LockResult, LockState, Outcome, Store
 
@@ -152,7 +152,7 @@ class Deduplicator:
         self.events.add(self.counters)
         self._heartbeat: Heartbeat | None = None
         self._heartbeat_pid = 0
-        self._heartbeat_lock = threading.Lock()
+        self._heartbeat_lock = ForkSafeLock()  # a forked child builds its own heartbeat
         self._store_checked = False
         # approximate windows: (task, slice index) already warned about in this process
         self._window_warned: set[tuple[str, int]] = set()

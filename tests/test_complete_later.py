@@ -166,3 +166,46 @@ def test_a_claim_behind_a_completion_is_read_with_it_and_made_again_after_a_flus
     assert not store.settle(older_than=60.0)  # the claim read the completion's reply too
     assert redis_client.get(key2) == f"R||{owner2}".encode()
     assert redis_client.get(key) == f"D||{owner}".encode()
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_a_child_forked_while_the_parents_heartbeat_thread_settles_can_send_at_once(
+    redis_url: str,
+) -> None:
+    """A work-horse or a new pool process is forked while a thread of its parent holds the
+    trails' bookkeeping lock (the heartbeat thread reading replies owed): the child, where
+    that thread does not exist, still sends its completion (the lock is made anew in it)."""
+    import os
+    import threading
+
+    store = RedisStore(redis.Redis.from_url(redis_url))
+    trails = store._trails
+    assert trails is not None
+    held, release = threading.Event(), threading.Event()
+
+    def settling() -> None:
+        with trails._open_lock:
+            held.set()
+            release.wait(30)
+
+    parent_thread = threading.Thread(target=settling)
+    parent_thread.start()
+    try:
+        assert held.wait(10)
+        child = os.fork()
+        if child == 0:  # pragma: no cover - the child's exit code is the assertion
+            replies: list[object] = []
+
+            def send() -> None:
+                trails.send(("PING",), replies.append)
+                trails.settle_mine()
+
+            sender = threading.Thread(target=send, daemon=True)
+            sender.start()
+            sender.join(5)
+            os._exit(0 if replies == [b"PONG"] else 1)
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        release.set()
+        parent_thread.join(10)

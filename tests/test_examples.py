@@ -13,14 +13,23 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_example(name: str, redis_url: str) -> str:
-    """Run ``examples/<name>`` against the session's Redis; its stdout (it must exit 0)."""
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / name)],
-        env={**os.environ, "TASKDEDUP_URL": redis_url},
-        capture_output=True, text=True, timeout=120,
-    )
+    """Run ``examples/<name>`` against the session's Redis; its stdout (it must exit 0). Its
+    workers inherit ``PYTHONFAULTHANDLER``: one stopped with SIGABRT prints its stack."""
+    try:
+        done = subprocess.run(
+            [sys.executable, str(ROOT / "examples" / name)],
+            env={**os.environ, "TASKDEDUP_URL": redis_url, "PYTHONFAULTHANDLER": "1"},
+            capture_output=True, text=True, timeout=120,
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"{name} still running after 120 s:\n{_text(exc.stdout)}"
+                             f"{_text(exc.stderr)}") from exc
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
+
+
+def _text(output: str | bytes | None) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
 
 
 @pytest.mark.slow

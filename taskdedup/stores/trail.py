@@ -25,7 +25,7 @@ from typing import Any
 
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
-from ..pids import pid
+from ..pids import ForkSafeLock, pid
 from .base import SETTLE_AFTER
 
 __all__ = ["Trails", "settle_all"]
@@ -69,7 +69,9 @@ class Trails:
         self._take, self._give_back, self._pack, self._redo = take, give_back, pack, redo
         self._local = threading.local()
         self._open: set[_Trail] = set()  # trails owing replies, for the heartbeat thread
-        self._open_lock = threading.Lock()
+        # a forked child (a work-horse, a new pool process) sends at once: never a lock that
+        # the parent's heartbeat thread held at the fork
+        self._open_lock = ForkSafeLock()
         self._pid = pid()
         _ALL.add(self)
 
