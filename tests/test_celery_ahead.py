@@ -26,8 +26,10 @@ from taskdedup import Policy, running
 from taskdedup.celery import HEADER, DedupTask, get_deduplicator
 from taskdedup.celery import ahead as claimed_ahead
 from taskdedup.core import Deduplicator
+from taskdedup.pids import ForkSafeLock
 from taskdedup.testing import wait_for
 from tests.effects import released
+from tests.forking import child_runs_while_held
 
 
 def make_app(redis_url: str) -> Celery:
@@ -130,34 +132,10 @@ def test_a_fork_while_another_thread_builds_leaves_the_child_free_to_build() -> 
     """The build lock held by a thread at a fork (Celery's prefork pool forks its children
     from a main process whose other threads may be asking): the child, where that thread does
     not exist, takes it at once."""
-    import os
-
-    from taskdedup.pids import ForkSafeLock
-
     lock = ForkSafeLock()
-    held, release = threading.Event(), threading.Event()
 
-    def hold() -> None:
+    def take() -> bool:
         with lock:
-            held.set()
-            release.wait(30)
+            return True
 
-    holder = threading.Thread(target=hold)
-    holder.start()
-    try:
-        assert held.wait(10)
-        child = os.fork()
-        if child == 0:  # pragma: no cover - the child's exit code is the assertion
-            done = threading.Event()
-
-            def take() -> None:
-                with lock:
-                    done.set()
-
-            threading.Thread(target=take, daemon=True).start()
-            os._exit(0 if done.wait(5) else 1)
-        _, status = os.waitpid(child, 0)
-        assert os.waitstatus_to_exitcode(status) == 0
-    finally:
-        release.set()
-        holder.join(10)
+    assert child_runs_while_held(lock, take)

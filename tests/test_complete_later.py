@@ -18,6 +18,7 @@ import redis
 from taskdedup import Deduplicator, Policy, RedisStore
 from taskdedup.events import DedupEvent, Event
 from taskdedup.testing import wait_for
+from tests.forking import child_runs_while_held
 
 NAME = "tests.later"
 POLICY = Policy(ttl=60, lease=30)
@@ -175,37 +176,14 @@ def test_a_child_forked_while_the_parents_heartbeat_thread_settles_can_send_at_o
     """A work-horse or a new pool process is forked while a thread of its parent holds the
     trails' bookkeeping lock (the heartbeat thread reading replies owed): the child, where
     that thread does not exist, still sends its completion (the lock is made anew in it)."""
-    import os
-    import threading
-
     store = RedisStore(redis.Redis.from_url(redis_url))
     trails = store._trails
     assert trails is not None
-    held, release = threading.Event(), threading.Event()
 
-    def settling() -> None:
-        with trails._open_lock:
-            held.set()
-            release.wait(30)
+    def send() -> bool:
+        replies: list[object] = []
+        trails.send(("PING",), replies.append)
+        trails.settle_mine()
+        return replies == [b"PONG"]
 
-    parent_thread = threading.Thread(target=settling)
-    parent_thread.start()
-    try:
-        assert held.wait(10)
-        child = os.fork()
-        if child == 0:  # pragma: no cover - the child's exit code is the assertion
-            replies: list[object] = []
-
-            def send() -> None:
-                trails.send(("PING",), replies.append)
-                trails.settle_mine()
-
-            sender = threading.Thread(target=send, daemon=True)
-            sender.start()
-            sender.join(5)
-            os._exit(0 if replies == [b"PONG"] else 1)
-        _, status = os.waitpid(child, 0)
-        assert os.waitstatus_to_exitcode(status) == 0
-    finally:
-        release.set()
-        parent_thread.join(10)
+    assert child_runs_while_held(trails._open_lock, send)
