@@ -249,7 +249,7 @@ def test_a_fresh_threads_pool_runs_its_first_calls_at_once_each_without_waiting(
                 states[task_id] = capp.app.backend.get_task_meta(task_id, cache=False)
             return all(meta.get("status") == "SUCCESS" for meta in states.values())
 
-        try:  # the lease is 30 s: a call put off waits at least that long
+        try:  # a call put off as a copy is republished a quarter of its lease (60 s) later
             wait_for(all_stored, timeout=15, interval=0.2, what="every result stored")
         except TimeoutError as exc:
             waiting = [t for t, meta in states.items() if meta.get("status") != "SUCCESS"]
