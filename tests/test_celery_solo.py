@@ -19,7 +19,7 @@ import redis
 
 from taskdedup.testing import wait_for
 from tests.effects import recorded, released
-from tests.workers import CeleryWorker
+from tests.workers import CeleryWorker, stored_result
 
 pytestmark = pytest.mark.slow
 
@@ -210,16 +210,9 @@ def test_a_threads_pool_worker_guards_each_body(
         skipped = capp.app.AsyncResult(held_id).get(timeout=30)
         assert skipped["existing_id"] == "other-holder"
         for name, (task_id, key) in zip(names[1:], calls[1:], strict=True):
-            try:
-                result = capp.app.AsyncResult(task_id).get(timeout=30)
-            except Exception as exc:  # what the worker did, to tell a lost call from a
-                # result the backend's pub/sub did not bring (CI: Celery 5.4 and 5.7)
-                raise AssertionError(
-                    f"{exc!r}: stored {capp.app.backend.get_task_meta(task_id, cache=False)}, "
-                    f"ran {recorded(rc, name)}, lock {rc.get(key)!r}, "
-                    f"queue {rc.llen(worker.queue)}, worker log:\n"
-                    f"{worker.output()[-4000:]}") from exc
-            assert result == name
+            assert stored_result(capp.app, task_id, worker, about=lambda name=name, key=key: (
+                f"ran {recorded(rc, name)}, lock {rc.get(key)!r}, "
+                f"queue {rc.llen(worker.queue)}")) == name
             wait_for(lambda key=key: released(rc, key), timeout=30, what="completed")
             assert recorded(rc, name) == ["0"]
     finally:
