@@ -152,6 +152,8 @@ class Deduplicator:
         self.events.add(self.counters)
         self._heartbeat: Heartbeat | None = None
         self._heartbeat_pid = 0
+        # leases a parent renews for this forked child: (key, owner) -> (pid, settle)
+        self._adopted: dict[tuple[str, str], tuple[int, Callable[[], None]]] = {}
         self._heartbeat_lock = ForkSafeLock()  # a forked child builds its own heartbeat
         self._store_checked = False
         # approximate windows: (task, slice index) already warned about in this process
@@ -640,8 +642,21 @@ class Deduplicator:
         return self._heartbeat
 
     def stop_heartbeat(self, key: str, owner: str) -> None:
+        """Stop renewing ``key``'s lease (the body is over: its lock is being completed,
+        released or re-reserved); a lease the parent renews for this process is marked
+        settled (:meth:`adopt`)."""
+        if self._adopted:
+            adopted = self._adopted.pop((key, owner), None)
+            if adopted is not None and adopted[0] == pid():
+                adopted[1]()
         if self._heartbeat is not None and self._heartbeat_pid == pid():
             self._heartbeat.remove(key, owner)
+
+    def adopt(self, key: str, owner: str, settle: Callable[[], None]) -> None:
+        """In a forked child whose parent claimed ``key`` and renews its lease
+        (:class:`taskdedup.forklease.ChildLease`): call ``settle()`` when this process stops
+        the lease's heartbeat, so the parent stops renewing it."""
+        self._adopted[(key, owner)] = (pid(), settle)
 
     # -- helpers --------------------------------------------------------------------------
 
@@ -880,6 +895,8 @@ class Heartbeat:
         self._settle: dict[int, Any] = {}  # stores owing completion replies (settle_soon)
         self._settle_at = float("inf")
         self._calls: list[tuple[float, Callable[[], object]]] = []  # call_later
+        # leases kept for a forked child (hand_over): renewed until it says it settled them
+        self._until: dict[tuple[str, str], Callable[[], bool]] = {}
 
     def add(self, name: str, key: str, owner: str, lease_ms: int) -> None:
         due = time.monotonic() + lease_ms / 3000
@@ -899,6 +916,19 @@ class Heartbeat:
     def remove(self, key: str, owner: str) -> None:
         with self._cond:
             self._due.pop((key, owner), None)
+            self._until.pop((key, owner), None)
+
+    def hand_over(self, key: str, owner: str, settled: Callable[[], bool]) -> bool:
+        """Keep renewing the lease of ``key`` for a child process this one forks to run the
+        body (:class:`taskdedup.forklease.ChildLease`), until ``settled()`` says the child
+        completed, released or re-reserved it: from then on its renewals stop, and a lock
+        found gone is the child's to report, not a lost lease. False when this heartbeat
+        renews no such lease (no lock was taken)."""
+        with self._cond:
+            if (key, owner) not in self._due:
+                return False
+            self._until[(key, owner)] = settled
+            return True
 
     def settle_soon(self, store: Any) -> None:
         """Have ``store``'s unread completion replies read within ``SETTLE_AFTER`` if the
@@ -947,6 +977,12 @@ class Heartbeat:
             with self._cond:
                 now = time.monotonic()
                 due = [(k, v) for k, v in self._due.items() if v[0] <= now]
+                if self._until and due:  # a child settled its lease: no more renewals
+                    settled = [k for k, _ in due if k in self._until and self._until[k]()]
+                    for k in settled:
+                        self._due.pop(k, None)
+                        self._until.pop(k, None)
+                    due = [(k, v) for k, v in due if k not in settled]
                 if not due:
                     wait = min(min((v[0] for v in self._due.values()), default=now + 60),
                                self._settle_at,
@@ -987,6 +1023,9 @@ class Heartbeat:
                 if (key, owner) not in self._due:
                     return  # finished meanwhile
                 self._due.pop((key, owner), None)
+                settled = self._until.pop((key, owner), None)
+            if settled is not None and settled():
+                return  # the child completed or released it meanwhile: its own to report
             dedup._emit(Event.LEASE_LOST, name, key, owner, detail="heartbeat")
             logger.warning(
                 "taskdedup: %s[%s] lost its lock %s (expired before the heartbeat, or evicted "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 
 import redis
 
@@ -68,3 +69,12 @@ def flush_counts(dedup: object) -> bool:
 
     recorder = attach(dedup)  # type: ignore[arg-type]
     return recorder is not None and recorder.flush()
+
+
+def holds_for(seconds: float, check: Callable[[], None]) -> None:
+    """``check()`` (which asserts) passes every 20 ms for ``seconds``: a state that must
+    last (a lease renewed past its length), not one to wait for."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        check()
+        time.sleep(0.02)

@@ -45,6 +45,18 @@ def long_running(label: str) -> str:
     return label
 
 
+def threads_then_wait(label: str) -> str:
+    """Records the work-horse's pid and the names of its threads, then runs until the gate
+    opens."""
+    import threading
+
+    names = ",".join(sorted(t.name for t in threading.enumerate()))
+    effect(label, f"start:{os.getpid()}:{names}")
+    wait_gate(label, timeout=120)
+    effect(label, "end")
+    return label
+
+
 def fail_first(label: str) -> str:
     """Fails on its first execution."""
     attempt = int(r().incr(f"attempts:{label}"))

@@ -1,5 +1,6 @@
-"""``DedupWorker``: claims the lock in the work-horse before the body runs, and completes,
-releases or re-reserves it from RQ's own success, failure and retry handlers."""
+"""``DedupWorker``: claims the lock before the body runs (in the worker, just before it forks
+the work-horse; in the process that runs the body otherwise), and completes, releases or
+re-reserves it from RQ's own success, failure and retry handlers."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import gc
 import os
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +22,7 @@ from rq.utils import now
 from rq.worker import Worker
 
 from .. import flow, running, stats
-from ..core import Deduplicator, GateResult, Identity, Verdict, copy_wait
+from ..core import Deduplicator, GateResult, Identity, StartResult, Verdict, copy_wait
 from ..events import logger
 from ..exceptions import (
     BusyTimeoutError,
@@ -28,6 +30,7 @@ from ..exceptions import (
     StoreUnavailableError,
     TaskDedupError,
 )
+from ..forklease import ChildLease
 from ..policy import MAX_DURATION_MS, Mode, OnDuplicate
 from ..running import Running
 from ..stores.base import Store
@@ -42,6 +45,17 @@ if TYPE_CHECKING:
     from rq.executions import Execution
 
 __all__ = ["DedupWorker"]
+
+
+@dataclass(slots=True)
+class _Ahead:
+    """A job's claim made by the worker before it forked the work-horse (see
+    :meth:`DedupWorker.fork_work_horse`): the horse acts on ``result`` instead of claiming."""
+
+    job_id: str
+    guard: Guard
+    result: StartResult
+    lease: ChildLease | None  # the running lock the worker renews for the horse
 
 
 @contextlib.contextmanager
@@ -116,6 +130,7 @@ class DedupWorker(Worker):
         self._dedup_claims: dict[str, Guard] = {}
         self._dedup_unclaimed: set[str] = set()  # failed before a claim: no lock to touch
         self._dedup_released: set[str] = set()  # released as its function raised
+        self._dedup_ahead: _Ahead | None = None  # claimed before the fork, for the horse
 
     def bootstrap(self, *args: Any, **kwargs: Any) -> None:
         """RQ's start-up (it sets up the worker's log handlers); then our records join that
@@ -134,18 +149,60 @@ class DedupWorker(Worker):
     # -- the horse's counters go to the worker process, not to Redis -----------------------
 
     def fork_work_horse(self, job: Job, queue: Queue) -> None:
-        """RQ's fork, with a pipe over which the horse hands its counters back, and this
-        process's objects frozen for the fork (:func:`_frozen_for_fork`)."""
+        """The job's claim (:meth:`_claim_before_fork`), then RQ's fork, with a pipe over
+        which the horse hands its counters back, and this process's objects frozen for the
+        fork (:func:`_frozen_for_fork`)."""
+        self._dedup_ahead = self._claim_before_fork(job)
         read_end, write_end = os.pipe()
         os.set_blocking(read_end, False)
         self._stats_pipe: int | None = write_end
         try:
             with _frozen_for_fork():
                 super().fork_work_horse(job, queue)  # the horse never returns from here
+        except BaseException:
+            self._end_ahead()
+            raise
         finally:
             os.close(write_end)
             self._stats_pipe = None
         self._stats_read: int | None = read_end
+
+    def _claim_before_fork(self, job: Job) -> _Ahead | None:
+        """Claim ``job``'s lock here, before the fork, for the horse to act on: this process's
+        objects are warm, and its heartbeat thread (running anyway) renews the lease while
+        the horse runs (:class:`~taskdedup.forklease.ChildLease`), so a horse starts no
+        thread of its own. None (the horse claims, as on any worker) for a job without a
+        lock or whose claim compares a generation (debounce, coalesce), and when the claim
+        here fails (the horse claims again and acts on what it gets)."""
+        try:
+            guard = trusted_guard(job, self.dedup)
+        except TypeError:  # no identity: the horse fails the job, as before
+            return None
+        if guard is None or not guard.policy.mode.gates_execution \
+                or _flow_generation(job, guard)[0] is not None:
+            return None
+        try:
+            result = self.dedup.start(guard.name, guard.policy, guard.key, job.id,
+                                      check=guard.check)
+        except StoreUnavailableError:
+            return None
+        except Exception:  # never in the way of the job: the horse claims as it always did
+            logger.exception("taskdedup: claiming %s[%s] before the fork failed", guard.name,
+                             job.id)
+            return None
+        lease = None
+        if result.verdict is Verdict.ACCEPTED:
+            lease = ChildLease(self.dedup, guard.name, guard.key, job.id,
+                               guard.policy.lease_ms)
+            if not lease.keep():
+                lease = None
+        return _Ahead(job.id, guard, result, lease)
+
+    def _end_ahead(self) -> None:
+        """The horse has ended (or was never forked): stop renewing the lease kept for it."""
+        ahead, self._dedup_ahead = self._dedup_ahead, None
+        if ahead is not None and ahead.lease is not None:
+            ahead.lease.end()
 
     def monitor_work_horse(
         self, job: Job, queue: Queue, execution: Execution | None = None
@@ -157,6 +214,7 @@ class DedupWorker(Worker):
                 job, queue, *_compat.execution_args("monitor_work_horse", execution)
             )
         finally:
+            self._end_ahead()
             self._take_stats_from_horse()
 
     def _hand_stats_to_worker(self) -> None:
@@ -210,12 +268,18 @@ class DedupWorker(Worker):
 
     def _perform_guarded(self, job: Job, queue: Queue, execution: Execution | None) -> bool:
         run = _compat.execution_args("perform_job", execution)
-        try:
-            guard = trusted_guard(job, self.dedup)
-        except TypeError as exc:  # its arguments have no identity: never run unguarded
-            return self._fail(job, queue, run, TaskDedupError(
-                f"taskdedup: job {job.id} carries no usable lock key and its arguments have "
-                f"no identity ({exc}); not run"))
+        horse = os.getpid() != self._dedup_pid
+        ahead = self._dedup_ahead if horse else None
+        if ahead is not None and ahead.job_id == job.id:
+            guard: Guard | None = ahead.guard
+        else:
+            ahead = None
+            try:
+                guard = trusted_guard(job, self.dedup)
+            except TypeError as exc:  # its arguments have no identity: never run unguarded
+                return self._fail(job, queue, run, TaskDedupError(
+                    f"taskdedup: job {job.id} carries no usable lock key and its arguments "
+                    f"have no identity ({exc}); not run"))
         if guard is None:
             limited = job_limits.enter(self, job, queue, execution, run, None)
             if limited is not None:
@@ -225,11 +289,14 @@ class DedupWorker(Worker):
             finally:
                 job_limits.leave(self, job)
         generation, follow_up = _flow_generation(job, guard)
-        horse = os.getpid() != self._dedup_pid
         if horse:  # no stats thread per work-horse: its counts go to the worker at its end
             stats.hold_threads()
         try:
-            if generation is None:
+            if ahead is not None:  # claimed by the worker before the fork
+                result = ahead.result
+                if ahead.lease is not None:
+                    ahead.lease.adopt()
+            elif generation is None:
                 result = self.dedup.start(guard.name, guard.policy, guard.key, job.id,
                                           check=guard.check)
             else:  # debounce / coalesce: the claim compares the job's generation
@@ -467,15 +534,20 @@ class DedupWorker(Worker):
         pending ``Repeat`` or a failure that will retry keep the lock for
         ``handle_job_retry`` / ``handle_job_success`` / ``handle_job_failure`` as before."""
         perform = job.perform
+        horse = os.getpid() != self._dedup_pid
 
         def perform_then_settle() -> Any:
             try:
                 value = perform()
             except Exception:
+                if horse:  # what is counted from here on goes to the worker at the end
+                    stats.hold_threads()
                 if not job.should_retry and self._dedup_claims.pop(job.id, None) is not None:
                     self._dedup_released.add(job.id)
                     self.dedup.release(guard.name, guard.key, job.id, reason="failed")
                 raise
+            if horse:
+                stats.hold_threads()
             if not isinstance(value, Retry) and not job.repeats_left and \
                     self._dedup_claims.pop(job.id, None) is not None:
                 self.dedup.finish(guard.name, guard.policy, guard.key, job.id, success=True)
