@@ -305,8 +305,10 @@ def hold_threads() -> None:
     For a process that usually ends before its first flush is due, as an RQ work-horse
     does: its deltas go to the parent at its end (:func:`hand_over`), and the thread it would
     have started per job (a thread start costs a forked child ~0.2-0.5 ms) is left out. A
-    work-horse that runs longer releases them after :func:`held_interval`, from the
-    heartbeat thread it runs anyway, so its counts still reach Redis on the same cadence.
+    work-horse that claimed its lock itself releases them after :func:`held_interval`, from
+    the heartbeat thread it runs anyway; one whose worker claimed for it releases them once
+    claimed, so only a body that records something starts the thread, and holds them again
+    once the body is over. Either way a long job's counts reach Redis on the same cadence.
     """
     global _held_pid
     _held_pid = pid()

@@ -18,6 +18,7 @@ import redis
 from taskdedup import Deduplicator, Policy, RedisStore
 from taskdedup.events import DedupEvent, Event
 from taskdedup.testing import wait_for
+from tests.claims import claimed_call
 from tests.forking import child_runs_while_held
 
 NAME = "tests.later"
@@ -33,11 +34,7 @@ def dedup(redis_url: str, request: pytest.FixtureRequest) -> Deduplicator:
 
 def _run_body(dedup: Deduplicator, label: str) -> tuple[str, str]:
     """Gate and claim a fresh call; its (key, owner)."""
-    owner = str(uuid.uuid4())
-    identity = dedup.identity(NAME, POLICY, (label,))
-    dedup.gate(NAME, POLICY, identity, owner)
-    dedup.start(NAME, POLICY, identity.key, owner)
-    return identity.key, owner
+    return claimed_call(dedup, NAME, POLICY, label)
 
 
 def _events(dedup: Deduplicator) -> list[DedupEvent]:

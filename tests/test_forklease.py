@@ -5,15 +5,15 @@ lost, and one gone while the child still runs is."""
 from __future__ import annotations
 
 import os
-import uuid
 
 import pytest
 import redis
 
-from taskdedup import Deduplicator, Policy, RedisStore
+from taskdedup import Deduplicator, Policy, RedisStore, forklease
 from taskdedup.events import DedupEvent, Event
 from taskdedup.forklease import ChildLease
 from taskdedup.testing import wait_for
+from tests.claims import claimed_call
 from tests.effects import holds_for
 
 NAME = "tests.forklease"
@@ -25,13 +25,12 @@ def dedup(redis_url: str) -> Deduplicator:
     return Deduplicator(RedisStore.from_url(redis_url))
 
 
-def claimed(dedup: Deduplicator) -> tuple[str, str]:
-    """Gate and claim a fresh call; its (key, owner)."""
-    owner = str(uuid.uuid4())
-    identity = dedup.identity(NAME, POLICY, (owner,))
-    dedup.gate(NAME, POLICY, identity, owner)
-    dedup.start(NAME, POLICY, identity.key, owner)
-    return identity.key, owner
+def kept(dedup: Deduplicator) -> tuple[str, str, ChildLease]:
+    """A fresh call claimed here, its lease kept for a child about to be forked."""
+    key, owner = claimed_call(dedup, NAME, POLICY)
+    lease = ChildLease(dedup, NAME, key, owner, POLICY.lease_ms)
+    assert lease.keep()
+    return key, owner, lease
 
 
 def lost(dedup: Deduplicator) -> list[DedupEvent]:
@@ -45,7 +44,7 @@ def test_a_lock_gone_is_lost_only_while_the_child_has_not_settled_it(
     dedup: Deduplicator, rc: redis.Redis, child_settled: bool
 ) -> None:
     events = lost(dedup)
-    key, owner = claimed(dedup)
+    key, owner = claimed_call(dedup, NAME, POLICY)
     heartbeat = dedup.heartbeat()
     assert heartbeat.hand_over(key, owner, lambda: child_settled)
     rc.delete(key)  # released by the child (settled), or lost while it runs
@@ -56,9 +55,7 @@ def test_a_lock_gone_is_lost_only_while_the_child_has_not_settled_it(
 def test_the_renewals_stop_at_the_childs_word_and_go_on_until_then(
     dedup: Deduplicator, rc: redis.Redis
 ) -> None:
-    key, owner = claimed(dedup)
-    lease = ChildLease(dedup, NAME, key, owner, POLICY.lease_ms)
-    assert lease.keep()
+    key, owner, lease = kept(dedup)
     go, done = os.pipe()
     child = os.fork()
     if child == 0:  # pragma: no cover - the child's exit code is the answer
@@ -87,3 +84,25 @@ def test_the_renewals_stop_at_the_childs_word_and_go_on_until_then(
         os.close(done)
         lease.end()
     assert lease.settled()  # and asking after end() is safe
+
+
+def test_where_the_parents_death_cannot_be_watched_the_child_renews_from_the_start(
+    dedup: Deduplicator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    key, owner, lease = kept(dedup)
+    monkeypatch.setattr(forklease, "_PRCTL", None)  # not Linux
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child's exit code is the answer
+        try:
+            lease.adopt()
+            renewing = len(dedup.heartbeat()) == 1  # this child's own heartbeat
+            dedup.stop_heartbeat(key, owner)
+            os._exit(0 if renewing and len(dedup.heartbeat()) == 0 else 1)
+        except BaseException:
+            os._exit(2)
+    try:
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert lease.settled()
+    finally:
+        lease.end()

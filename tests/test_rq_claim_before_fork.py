@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Callable
 
 import pytest
 import redis
@@ -38,10 +39,22 @@ def finished(job: Job) -> str:
                     timeout=30, what=f"job {job.id} ended")
 
 
-def started(rc: redis.Redis, name: str) -> tuple[int, str]:
+def started(rc: redis.Redis, q: DedupQueue, name: str) -> tuple[Job, str, int, str]:
+    """Enqueue a long job and wait for its body: the job, its lock key, the horse's pid and
+    the names of the horse's threads."""
+    job = q.enqueue(rq_jobs.threads_then_wait, name)
+    assert job is not None
+    key = q.dedup.identity("tests.rq_jobs.threads_then_wait", Policy(), (name,), {},
+                           func=rq_jobs.threads_then_wait).key
     first = wait_for(lambda: recorded(rc, name), timeout=30, what="the body started")[0]
     _, horse, threads = first.split(":", 2)
-    return int(horse), threads
+    return job, key, int(horse), threads
+
+
+def still_running(rc: redis.Redis, job: Job, key: str) -> Callable[[], None]:
+    def check() -> None:
+        assert rc.get(key) == f"R||{job.id}".encode()
+    return check
 
 
 def test_the_worker_renews_the_lease_and_the_horse_starts_no_thread(
@@ -51,19 +64,11 @@ def test_the_worker_renews_the_lease_and_the_horse_starts_no_thread(
     name = label()
     with_worker = RqWorker(redis_url, [q.name], scheduler=False).start()
     try:
-        job = q.enqueue(rq_jobs.threads_then_wait, name)
-        assert job is not None
-        key = q.dedup.identity("tests.rq_jobs.threads_then_wait", Policy(), (name,), {},
-                               func=rq_jobs.threads_then_wait).key
-        horse, threads = started(rc, name)
+        job, key, horse, threads = started(rc, q, name)
         assert horse != with_worker.process.pid  # type: ignore[union-attr]
         assert "taskdedup-heartbeat" not in threads.split(","), threads
         assert "taskdedup-stats" not in threads.split(","), threads
-
-        def running() -> None:
-            assert rc.get(key) == f"R||{job.id}".encode()
-
-        holds_for(3 * LEASE, running)  # renewed past its lease, by the worker
+        holds_for(3 * LEASE, still_running(rc, job, key))  # renewed by the worker
         rc.set(f"go:{name}", 1, ex=60)
         assert finished(job) == "finished"
         assert recorded(rc, name)[-1] == "end"
@@ -82,18 +87,11 @@ def test_a_horse_whose_worker_is_killed_renews_its_own_lease_and_completes(
     name = label()
     doomed = RqWorker(redis_url, [q.name], scheduler=False).start()
     try:
-        job = q.enqueue(rq_jobs.threads_then_wait, name)
-        assert job is not None
-        key = q.dedup.identity("tests.rq_jobs.threads_then_wait", Policy(), (name,), {},
-                               func=rq_jobs.threads_then_wait).key
-        horse, _ = started(rc, name)
+        job, key, horse, _ = started(rc, q, name)
         doomed.kill()  # the worker's process group: the horse, in a session of its own, runs on
         os.kill(horse, 0)  # still alive
-
-        def running() -> None:
-            assert rc.get(key) == f"R||{job.id}".encode()
-
-        holds_for(3 * LEASE, running)  # no worker any more: the horse renews it itself
+        # no worker any more: the horse renews it itself, past its lease
+        holds_for(3 * LEASE, still_running(rc, job, key))
         rc.set(f"go:{name}", 1, ex=60)
         wait_for(lambda: recorded(rc, name)[-1] == "end", timeout=30, what="the body ended")
         wait_for(lambda: rc.get(key) in (f"F||{job.id}".encode(), None), timeout=30,

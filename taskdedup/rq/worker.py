@@ -90,7 +90,9 @@ class DedupWorker(Worker):
             ``TASKDEDUP_URL`` environment variable, else the worker's connection. It must be
             the store the queues use.
 
-    In the work-horse, before the body: claim the lock. A duplicate is not run: the job
+    Before the body: claim the lock (in this process, just before it forks the work-horse;
+    its heartbeat thread renews the lease while the horse runs, see
+    :mod:`taskdedup.forklease`). A duplicate is not run: the job
     FINISHES with ``skipped_info(job)`` set and a ``{"taskdedup": "skipped duplicate", ...}``
     result, without ``on_success`` callbacks or webhooks. A copy of this very job id while it
     runs elsewhere (its lock ``running`` by this id, lease live) is put back for later, a
@@ -237,7 +239,9 @@ class DedupWorker(Worker):
         its stats threads (and flushes) from that heartbeat's thread once the first flush
         would have been due, so a long job's counts reach Redis as before; it spares a
         thread start per job (most jobs end first, their counts handed to the worker).
-        Without a heartbeat the threads start now, as they did."""
+        Without a heartbeat (the worker claimed before the fork and renews the lease) they
+        are released now: none was wanted yet, so a thread starts only if the body records
+        something, and :meth:`_settle_as_it_returns` holds them again after the body."""
         heartbeat = self.dedup.heartbeat()
         if len(heartbeat):
             heartbeat.call_later(stats.held_interval(),
