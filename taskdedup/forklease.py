@@ -85,12 +85,14 @@ class ChildLease:
         self._parent = os.getpid()
 
     def keep(self) -> bool:
-        """Before the fork: this process's heartbeat renews the lease until the child has
-        settled it. False (and nothing kept) when the claim took no lock to renew."""
-        if self._dedup.heartbeat().hand_over(self.key, self.owner, self.settled):
-            return True
+        """Before the fork, once claimed: this process's heartbeat renews the lease until the
+        child has settled it. False when the claim took no lock to renew (then
+        :meth:`discard` it)."""
+        return bool(self._dedup.heartbeat().hand_over(self.key, self.owner, self.settled))
+
+    def discard(self) -> None:
+        """Not handed to a child after all (no lock was taken): free the shared byte."""
         self._shared.close()
-        return False
 
     def settled(self) -> bool:
         """Whether the child has completed, released or re-reserved the lock (or ended)."""

@@ -183,21 +183,25 @@ class DedupWorker(Worker):
         if guard is None or not guard.policy.mode.gates_execution \
                 or _flow_generation(job, guard)[0] is not None:
             return None
+        try:  # first, so that nothing can fail between the claim and the hand-over
+            child = ChildLease(self.dedup, guard.name, guard.key, job.id, guard.policy.lease_ms)
+        except OSError:  # no shared memory to be had: the horse claims as it always did
+            return None
         try:
             result = self.dedup.start(guard.name, guard.policy, guard.key, job.id,
                                       check=guard.check)
         except StoreUnavailableError:
-            return None
+            child.discard()
+            return None  # the horse claims again, and puts the job back or fails it
         except Exception:  # never in the way of the job: the horse claims as it always did
-            logger.exception("taskdedup: claiming %s[%s] before the fork failed", guard.name,
-                             job.id)
+            child.discard()
+            logger.exception("taskdedup: claiming %s[%s] before the fork failed",
+                             guard.name, job.id)
             return None
-        lease = None
-        if result.verdict is Verdict.ACCEPTED:
-            lease = ChildLease(self.dedup, guard.name, guard.key, job.id,
-                               guard.policy.lease_ms)
-            if not lease.keep():
-                lease = None
+        lease: ChildLease | None = child
+        if result.verdict is not Verdict.ACCEPTED or not child.keep():
+            child.discard()
+            lease = None  # no lock taken (a duplicate, a copy, ...): nothing to renew
         return _Ahead(job.id, guard, result, lease)
 
     def _end_ahead(self) -> None:
