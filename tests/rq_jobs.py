@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from rq.job import Retry
+from rq.worker import SpawnWorker
 
 from taskdedup.rq import DedupWorker
 from tests.effects import effect, r, wait_gate
@@ -104,6 +105,11 @@ def enqueue_again_once(job: Any, connection: Any, *args: Any, **kwargs: Any) -> 
                            dedup=Policy(mode="until_executed", ttl=60))
         again = queue.enqueue(job.func, *job.args)
         r().rpush(f"again-id:{name}", again.id if again is not None else "-")
+
+
+class DedupSpawnWorker(DedupWorker, SpawnWorker):  # type: ignore[misc]
+    """A DedupWorker whose work-horse is spawned (``posix_spawn``), not forked: it shares
+    nothing with the worker, so it claims for itself."""
 
 
 class FastStoreRetryWorker(DedupWorker):

@@ -15,7 +15,8 @@ import redis
 from rq.job import Job
 
 from taskdedup import Policy
-from taskdedup.rq import DedupQueue
+from taskdedup.rq import DedupQueue, DedupWorker
+from taskdedup.rq.worker import _forks_its_horse
 from taskdedup.testing import wait_for
 from tests import rq_jobs
 from tests.effects import holds_for, recorded
@@ -34,9 +35,9 @@ def queue_of(rc: redis.Redis, policy: Policy) -> DedupQueue:
     return DedupQueue(f"rq-ahead-{label()}", connection=rc, dedup=policy)
 
 
-def finished(job: Job) -> str:
+def finished(job: Job, timeout: float = 30) -> str:
     return wait_for(lambda: (s := job.get_status()) in ("finished", "failed") and s,
-                    timeout=30, what=f"job {job.id} ended")
+                    timeout=timeout, what=f"job {job.id} ended")
 
 
 def started(rc: redis.Redis, q: DedupQueue, name: str) -> tuple[Job, str, int, str]:
@@ -101,4 +102,28 @@ def test_a_horse_whose_worker_is_killed_renews_its_own_lease_and_completes(
     finally:
         doomed.kill()
         rc.delete(f"rq:worker:{doomed.name}")
+        q.empty()
+
+
+def test_the_horse_of_a_spawning_worker_claims_for_itself_and_runs_at_once(
+    redis_url: str, rc: redis.Redis
+) -> None:
+    """``SpawnWorker`` composed after ``DedupWorker`` starts each horse afresh
+    (``posix_spawn``): it inherits no claim, so the worker claims nothing before it (else the
+    horse would find its own lock running and put itself off as a copy, a quarter of the
+    lease later: 15 s here)."""
+    assert _forks_its_horse(DedupWorker)
+    assert not _forks_its_horse(rq_jobs.DedupSpawnWorker)
+    q = queue_of(rc, Policy(mode="until_executed"))
+    name = label()
+    spawning = RqWorker(redis_url, [q.name], scheduler=False,
+                        worker_class="tests.rq_jobs.DedupSpawnWorker").start()
+    try:
+        job = q.enqueue(rq_jobs.record, name)
+        assert job is not None
+        assert finished(job, timeout=10) == "finished"
+        assert recorded(rc, name) == ["0"]
+        assert "another copy" not in spawning.output()
+    finally:
+        spawning.stop()
         q.empty()

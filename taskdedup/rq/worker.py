@@ -133,6 +133,7 @@ class DedupWorker(Worker):
         self._dedup_unclaimed: set[str] = set()  # failed before a claim: no lock to touch
         self._dedup_released: set[str] = set()  # released as its function raised
         self._dedup_ahead: _Ahead | None = None  # claimed before the fork, for the horse
+        self._dedup_forks = _forks_its_horse(type(self))
 
     def bootstrap(self, *args: Any, **kwargs: Any) -> None:
         """RQ's start-up (it sets up the worker's log handlers); then our records join that
@@ -154,7 +155,7 @@ class DedupWorker(Worker):
         """The job's claim (:meth:`_claim_before_fork`), then RQ's fork, with a pipe over
         which the horse hands its counters back, and this process's objects frozen for the
         fork (:func:`_frozen_for_fork`)."""
-        self._dedup_ahead = self._claim_before_fork(job)
+        self._dedup_ahead = self._claim_before_fork(job) if self._dedup_forks else None
         read_end, write_end = os.pipe()
         os.set_blocking(read_end, False)
         self._stats_pipe: int | None = write_end
@@ -613,6 +614,17 @@ class DedupWorker(Worker):
             "rescheduled" if queue.scheduler_pid is not None else "re-queued", delay, exc,
         )
         self._put_back(job, queue, execution, delay, save=True)
+
+
+def _forks_its_horse(cls: type[DedupWorker]) -> bool:
+    """Whether ``cls``'s work-horse is a fork of the worker (RQ's ``Worker.fork_work_horse``),
+    which inherits a claim made before it; not a process started afresh (``SpawnWorker``
+    composed after ``DedupWorker``), which claims for itself."""
+    mro = cls.__mro__
+    for klass in mro[mro.index(DedupWorker) + 1:]:
+        if "fork_work_horse" in vars(klass):
+            return klass is Worker
+    return False
 
 
 def _refusal(guard: Guard, job: Job, exc: StoreUnavailableError) -> ConfigurationError:
