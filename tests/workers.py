@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -40,7 +41,10 @@ class WorkerProcess:
         raise NotImplementedError
 
     def environment(self) -> dict[str, str]:
-        return {"TASKDEDUP_TEST_REDIS_URL": self.redis_url, "PYTHONPATH": str(ROOT)}
+        # PYTHONFAULTHANDLER: a worker that does not stop is sent SIGABRT (stop), and then
+        # prints every thread's stack into its log
+        return {"TASKDEDUP_TEST_REDIS_URL": self.redis_url, "PYTHONPATH": str(ROOT),
+                "PYTHONFAULTHANDLER": "1"}
 
     def ready(self) -> bool:
         raise NotImplementedError
@@ -87,7 +91,22 @@ class WorkerProcess:
         try:
             self.process.wait(timeout=self.stop_timeout)
         except subprocess.TimeoutExpired:
-            self.kill()
+            self._stuck()
+
+    def _stuck(self) -> None:
+        """A warm shutdown that did not end: say where the worker was (its threads' stacks,
+        printed by faulthandler on SIGABRT) on this test's stderr, then kill the group."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGABRT)
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        with contextlib.suppress(ProcessLookupError):  # the rest of its group too
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=10)
+        print(f"\n{self.kind} did not stop within {self.stop_timeout:.0f}s of SIGTERM; the end "
+              f"of its log:\n{self.output()[-8000:]}", file=sys.stderr)
 
 
 class CeleryWorker(WorkerProcess):
