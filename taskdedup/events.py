@@ -7,11 +7,12 @@ an exception in a listener is logged and never reaches the task or the caller.
 from __future__ import annotations
 
 import logging
-import threading
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
+
+from .pids import ForkSafeLock
 
 __all__ = ["Counters", "DedupEvent", "Event", "Events", "Listener", "logger"]
 
@@ -116,7 +117,9 @@ class Counters:
     """In-process counts per (task, event): no Redis round trip, read with :meth:`snapshot`."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # a forked child (an RQ work-horse) counts at once: never a lock that a thread of the
+        # parent (its heartbeat, reporting a lost lease) held at the fork
+        self._lock = ForkSafeLock()
         self._counts: Counter[tuple[str, Event]] = Counter()
 
     def __call__(self, event: DedupEvent) -> None:

@@ -15,6 +15,7 @@ from taskdedup.forklease import ChildLease
 from taskdedup.testing import wait_for
 from tests.claims import claimed_call
 from tests.effects import holds_for
+from tests.forking import child_runs_while_held
 
 NAME = "tests.forklease"
 POLICY = Policy(ttl=60, lease=0.09)  # renewed every 30 ms
@@ -106,3 +107,13 @@ def test_where_the_parents_death_cannot_be_watched_the_child_renews_from_the_sta
         assert lease.settled()
     finally:
         lease.end()
+
+
+def test_a_child_forked_while_a_parents_thread_counts_an_event_counts_its_own(
+    dedup: Deduplicator,
+) -> None:
+    """The worker's heartbeat thread counts an event (a lease it found lost) at the moment a
+    work-horse is forked: the horse's own counts must not wait on the lock that thread held
+    (it does not exist in the horse)."""
+    assert child_runs_while_held(dedup.counters._lock,
+                                 lambda: isinstance(dedup.counters.snapshot(), dict))
