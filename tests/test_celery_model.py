@@ -94,6 +94,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 import tempfile
 import time
 import uuid
@@ -373,6 +374,12 @@ class Driver:
         if lost:
             pytest.xfail(f"kombu's fetch lost {lost} to the SIGKILL (popped, never unacked: "
                          f"SPEC §17); steps: {self.log}")
+        # any other shortfall: say where each call is, and what the worker said last
+        where = {task_id: (self.m.app.AsyncResult(task_id).state,
+                           "held" if task_id.encode() in held else "nowhere")
+                 for task_id in ids}
+        print(f"calls: {where}\nthe end of the worker's log:\n{self.worker.output()[-6000:]}",
+              file=sys.stderr)
 
     def _held(self, ids: list[str]) -> bool:
         """Each of ``ids`` is in kombu's unacked hash and none is in the queue."""
