@@ -422,12 +422,25 @@ class Deduplicator:
         sends the claim before it, so both wait on the server together. None when it cannot
         go ahead (a store without ``send_claim``, ``until_executing``, an approximate
         window): then ``start`` claims as usual. ``check``: as in :meth:`start`."""
-        send = getattr(self.store, "send_claim", None)
-        if send is None or policy.window is not None or policy.mode is Mode.UNTIL_EXECUTING:
+        return self._ahead("send_claim", policy, key, owner, check)
+
+    def carry_start(self, policy: Policy, key: str, owner: str, *, check: str = ""
+                    ) -> Any | None:
+        """The claim of :meth:`start`, for a transaction that an integration sends anyway to
+        the store's server to carry (kombu's unacked record): no round trip of its own. The
+        integration adds ``sent.command`` to it and passes that command's reply to
+        ``sent.reply``; ``start(..., sent=sent)`` reads it, and claims as usual if none came.
+        None as for :meth:`send_start`, or where the store has no ``carry_claim``."""
+        return self._ahead("carry_claim", policy, key, owner, check)
+
+    def _ahead(self, how: str, policy: Policy, key: str, owner: str, check: str) -> Any | None:
+        """The claim of :meth:`start` made ahead by the store's ``how`` method, or None."""
+        make = getattr(self.store, how, None)
+        if make is None or policy.window is not None or policy.mode is Mode.UNTIL_EXECUTING:
             return None
         if not self._store_checked:
             self.check_store()
-        return send(key, owner, policy.lease_ms, **self._claim_hint(policy, check))
+        return make(key, owner, policy.lease_ms, **self._claim_hint(policy, check))
 
     def _claim_hint(self, policy: Policy, check: str, reserved: bool = True
                     ) -> dict[str, Any]:

@@ -98,12 +98,13 @@ def is_claim(line: str, claim_sha: str, task_id: str) -> bool:
     return line.startswith("SET ") and " IFEQ " in line and f"R||{task_id}" in line
 
 
-def test_the_claim_goes_out_as_kombu_records_the_message_and_guards_the_body(
+def test_the_claim_rides_in_kombus_record_of_the_message_and_guards_the_body(
     capp: Any, rc: redis.Redis, redis_url: str,
 ) -> None:
-    """Each claim reaches the server before kombu's unacked record of its message, whose
-    reply the worker waits for before Celery sees the message (``ClaimAhead``): the two
-    round trips wait together. Without it the claim came after the record (``before_start``)."""
+    """Each claim is carried by the transaction of kombu's unacked record of its message,
+    whose reply the worker waits for before Celery sees the message (``ClaimAhead``): one
+    round trip for both, no command of its own. Before, it went out just ahead of the record
+    on a connection of its own; without ``ClaimAhead`` it came after (``before_start``)."""
     from taskdedup.celery import get_deduplicator
 
     claim_sha = get_deduplicator(capp.app).store._claim.sha
@@ -121,7 +122,9 @@ def test_the_claim_goes_out_as_kombu_records_the_message_and_guards_the_body(
                      if is_claim(line, claim_sha, task_id))
         record = next(i for i, line in enumerate(lines)
                       if line.startswith("HSET unacked ") and task_id in line)
-        assert claim < record, lines[record - 3:claim + 2]
+        around = lines[record - 3:record + 3]
+        assert claim == record + 1, around
+        assert lines[record - 2] == "MULTI" and lines[claim + 1] == "EXEC", around
         assert recorded(rc, name) == ["0"]
 
 

@@ -41,19 +41,26 @@ The claim sent ahead on a solo worker (:class:`~taskdedup.celery.ahead.ClaimAhea
 channel's ``QoS.append(message, delivery_tag)`` (kombu's Redis ``QoS``, or the reliable
 fetch's subclass), where kombu records a received message unacked before Celery sees it:
 :func:`wrap_qos_append` checks it when the consumer starts; without it the claim goes out when
-the pool accepts the task (Celery's public ``Task.Request``).
+the pool accepts the task (Celery's public ``Task.Request``). Where the locks share the
+broker's database, the record's own transaction carries the claim: for that one call the
+QoS's ``pipe_or_acquire(pipe, client)`` yields kombu's pipeline with our command added at
+``execute`` (redis-py's ``command_stack``, ``execute(raise_on_error)``,
+``raise_first_error``); :func:`carry_missing` and :func:`same_database_missing` check it when
+the consumer starts, and without it the claim goes out on a connection of its own.
 """
 
 from __future__ import annotations
 
 import inspect
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual as kombu_virtual
 from kombu.utils.scheduling import cycle_by_name
+from redis.exceptions import ResponseError
 
 from ..events import logger
 
@@ -450,11 +457,16 @@ def after_poll_reply(channel: Any) -> None:
 # -- the claim sent ahead (the consuming side) ------------------------------------------------
 
 
-def wrap_qos_append(channel: Any, before: Callable[[Any], None]) -> str | None:
-    """Have ``before(message)`` called as kombu's Redis ``QoS.append`` records a received
-    message unacked (its round trip), on this one channel (:class:`~.ahead.ClaimAhead`);
-    ``before`` must not block, and its errors are logged, never raised. None when done (or
-    done already), else what is missing: the claim then goes out later, as before."""
+def wrap_qos_append(channel: Any, before: Callable[[Any, bool], Any],
+                    carry: bool = False) -> str | None:
+    """Have ``before(message, carry)`` called as kombu's Redis ``QoS.append`` records a
+    received message unacked (its round trip), on this one channel
+    (:class:`~.ahead.ClaimAhead`); ``before`` must not block, and its errors are logged, never
+    raised. With ``carry`` (:func:`carry_missing` and :func:`same_database_missing` said
+    None), ``before`` may return a claim for the record's transaction to carry (a
+    ``command``, and ``reply`` for its reply): ``carry`` is then true until the server
+    refuses one. None when done (or done already), else what is missing: the claim then goes
+    out later, as before."""
     qos = getattr(channel, "qos", None) if channel is not None else None
     if not isinstance(qos, kombu_redis.QoS):
         return "the worker does not consume from Redis through kombu's QoS"
@@ -464,13 +476,105 @@ def wrap_qos_append(channel: Any, before: Callable[[Any], None]) -> str | None:
     if not callable(append) or "delivery_tag" not in inspect.signature(append).parameters:
         return "kombu's QoS.append is not append(message, delivery_tag)"
 
+    carrying = [carry]  # until a transaction refuses a claim it carried
+
     def wrapped(message: Any, delivery_tag: Any) -> Any:
+        carried = None
         try:
-            before(message)
+            carried = before(message, carrying[0])
         except Exception:
             logger.debug("taskdedup: could not send a claim ahead", exc_info=True)
-        return append(message, delivery_tag)
+        if carried is None:
+            return append(message, delivery_tag)
+        return _append_carrying(qos, append, message, delivery_tag, carried, carrying)
 
     wrapped.taskdedup_ahead = True  # type: ignore[attr-defined]
     qos.append = wrapped  # type: ignore[method-assign]
     return None
+
+
+def carry_missing(channel: Any) -> str | None:
+    """Why kombu's unacked record on ``channel`` cannot carry a claim in its transaction, or
+    None: its QoS is kombu's own ``append`` writing through ``pipe_or_acquire(pipe, client)``
+    (not the reliable fetch's, which writes no record), keys unprefixed, replies undecoded."""
+    qos = getattr(channel, "qos", None) if channel is not None else None
+    if not isinstance(qos, kombu_redis.QoS) or type(qos).append is not kombu_redis.QoS.append:
+        return "the messages are not recorded by kombu's own QoS.append"
+    kind = type(qos)
+    pipe_or_acquire = getattr(kind, "pipe_or_acquire", None)
+    if "pipe_or_acquire" in vars(qos) or not callable(pipe_or_acquire) or list(
+            inspect.signature(pipe_or_acquire).parameters) != ["self", "pipe", "client"]:
+        return "kombu's QoS has no pipe_or_acquire(pipe, client)"
+    if getattr(channel, "global_keyprefix", ""):
+        return "kombu prefixes its keys (global_keyprefix)"
+    return None
+
+
+_SAME = ("host", "port", "path", "db", "username", "password")
+
+
+def same_database_missing(channel: Any, client: Any) -> str | None:
+    """None when ``client`` (the locks') connects where ``channel``'s pool does: the same
+    server, database and user, replies undecoded; else how they differ."""
+    try:
+        theirs = channel.pool.connection_kwargs
+        mine = client.connection_pool.connection_kwargs
+    except Exception:
+        return "the locks' client or the channel has no plain connection pool"
+    if type(client.connection_pool) is not type(channel.pool):
+        return "the locks' client pools its connections another way than the broker's"
+    if theirs.get("decode_responses") or mine.get("decode_responses"):
+        return "the broker's client decodes its replies"
+    if any(theirs.get(name) != mine.get(name) for name in _SAME):
+        return "the locks are not in the broker's database"
+    return None
+
+
+def _append_carrying(qos: Any, append: Callable[[Any, Any], Any], message: Any,
+                     delivery_tag: Any, carried: Any, carrying: list[bool]) -> Any:
+    """kombu's ``append``, with ``carried.command`` (a claim) added to the transaction of its
+    unacked record: one round trip for both. The claim's reply goes to ``carried.reply``. A
+    transaction that is refused as a whole (a command refused as it is queued) is sent again
+    without the claim, kombu's commands as kombu wrote them, and claims are no longer carried
+    on this channel; the claim then goes out when it is read."""
+    base = type(qos).pipe_or_acquire
+    taken: list[Any] = []
+
+    @contextmanager
+    def pipe_or_acquire(pipe: Any = None, client: Any = None) -> Iterator[Any]:
+        with base(qos, pipe, client) as made:
+            if pipe is None and not taken:
+                taken.append(made)
+                made.execute = _carrier(made, carried, carrying)
+            yield made
+
+    qos.pipe_or_acquire = pipe_or_acquire
+    try:
+        return append(message, delivery_tag)
+    finally:
+        del qos.pipe_or_acquire
+
+
+def _carrier(pipe: Any, carried: Any, carrying: list[bool]) -> Callable[..., Any]:
+    """``pipe.execute`` for a pipeline that carries ``carried.command`` last."""
+    execute = pipe.execute
+
+    def execute_carrying(raise_on_error: bool = True) -> Any:
+        own = list(pipe.command_stack)
+        # get=True: redis-py hands a SET ... GET reply back as the server sent it
+        pipe.execute_command(*carried.command, get=True)
+        try:
+            replies = execute(raise_on_error=False)
+        except ResponseError as exc:  # refused as queued (EXECABORT): nothing of it ran
+            pipe.command_stack = own  # kombu's alone: its own error, if it is kombu's, raised
+            replies = execute(raise_on_error=raise_on_error)
+            carrying[0] = False
+            logger.warning("taskdedup: kombu's unacked record no longer carries the claim "
+                           "(%s): it goes out on its own", exc)
+            return replies
+        carried.reply(replies.pop())
+        if raise_on_error:
+            pipe.raise_first_error(own, replies)
+        return replies
+
+    return execute_carrying

@@ -8,9 +8,12 @@ one more round trip of waiting, right before the body. Two places send it earlie
 connection of its own, and ``before_start`` then reads a reply that is there already:
 
 - :class:`ClaimAhead`, a consumer bootstep: on a solo pool consuming from Redis with kombu's
-  transport, the claim goes out as kombu records the message unacked, so the two round trips
-  wait together. It relies on kombu's ``QoS.append`` seam (:mod:`._compat`), checked when the
-  consumer starts; without it, the next place does.
+  transport, kombu's record of the message as unacked (a ``MULTI … EXEC`` of its own)
+  carries the claim in its transaction where the locks are in the broker's database: no
+  round trip of its own. Elsewhere the claim goes out just before that record, so the two
+  round trips wait together. It relies on kombu's ``QoS.append`` and ``pipe_or_acquire``
+  seams (:mod:`._compat`), checked when the consumer starts; without them, the next place
+  does.
 - :class:`DedupRequest` (``DedupTask.Request``): on any pool that runs the body in the
   process that took the message (solo, threads, eventlet, gevent), the claim goes out when
   the pool accepts the task, overlapping Celery's own work before ``before_start``.
@@ -87,33 +90,57 @@ class ClaimAhead(bootsteps.StartStopStep):  # type: ignore[misc]
         if type(c.pool).__module__ != "celery.concurrency.solo" or hub is None:
             return
         app, tasks = c.app, c.app.tasks
+        channel = getattr(getattr(c, "task_consumer", None), "channel", None)
+        not_carried = _carry_missing(app, channel)
 
-        def before_append(message: Any) -> None:
+        def before_append(message: Any, carry: bool) -> Any | None:
             headers = getattr(message, "headers", None)
             if not isinstance(headers, Mapping) or headers.get("eta"):
-                return
+                return None
             task = tasks.get(headers.get("task"))
             if task is None or task.app is not app or (
                     getattr(task, "rate_limit", None) and not c.disable_rate_limits):
-                return
+                return None
             task_id = headers.get("id")
-            if send_ahead(task, task_id, headers) is not None:
-                # Celery handles the message (the solo pool: its body too) before the loop's
-                # next turn; a claim still unread then had no body (revoked or expired on
-                # arrival, a message that does not decode): give it back
-                hub.call_soon(abandon, task_id)
+            sent = send_ahead(task, task_id, headers, carry=carry)
+            if sent is None:
+                return None
+            # Celery handles the message (the solo pool: its body too) before the loop's
+            # next turn; a claim still unread then had no body (revoked or expired on
+            # arrival, a message that does not decode): give it back
+            hub.call_soon(abandon, task_id)
+            return sent if getattr(sent, "command", None) is not None else None
 
-        channel = getattr(getattr(c, "task_consumer", None), "channel", None)
-        missing = _compat.wrap_qos_append(channel, before_append)
+        missing = _compat.wrap_qos_append(channel, before_append, carry=not_carried is None)
         if missing:
             logger.debug("taskdedup: the claim goes out when the pool accepts the task "
                          "(%s)", missing)
+        elif not_carried:
+            logger.debug("taskdedup: the claim goes out on a connection of its own as kombu "
+                         "records the message (%s)", not_carried)
 
 
-def send_ahead(task: Any, task_id: Any, fields: Mapping[str, Any]) -> Any | None:
+def _carry_missing(app: Any, channel: Any) -> str | None:
+    """Why the claim cannot ride in kombu's unacked record on ``channel`` (the transaction
+    kombu sends for each message anyway), or None: it can."""
+    missing = _compat.carry_missing(channel)
+    if missing:
+        return missing
+    try:
+        store = get_deduplicator(app).store
+    except Exception as exc:  # said again, with what to do, at the first gated task
+        return f"the locks' store could not be built ({type(exc).__name__})"
+    if not hasattr(store, "carry_claim"):
+        return "the locks' store cannot hand its claim to another client"
+    return _compat.same_database_missing(channel, getattr(store, "client", None))
+
+
+def send_ahead(task: Any, task_id: Any, fields: Mapping[str, Any], *, carry: bool = False
+               ) -> Any | None:
     """Send the claim of ``task``'s call ``task_id`` now, if it can go ahead (``fields``:
     the message headers, or the request's fields, holding the ``taskdedup`` header): the
-    claim sent, or None."""
+    claim sent, or None. ``carry``: the caller's transaction carries it where the store can
+    (the claim's ``command`` is then set, for the caller to add, else it went out)."""
     if isinstance(task_id, str) and task_id in _ahead:
         return None  # sent already (the solo pool accepts what kombu's record claimed)
     try:
@@ -140,7 +167,10 @@ def send_ahead(task: Any, task_id: Any, fields: Mapping[str, Any]) -> Any | None
             _ahead[task_id] = None
         for tid in left:
             abandon(tid)
-        sent = dedup.send_start(policy, key, task_id, check=carried_check(raw, name))
+        check = carried_check(raw, name)
+        sent = dedup.carry_start(policy, key, task_id, check=check) if carry else None
+        if sent is None:
+            sent = dedup.send_start(policy, key, task_id, check=check)
     except Exception:  # anything odd: before_start claims as before, and says what is wrong
         logger.debug("taskdedup: the claim of %s was not sent ahead", task_id, exc_info=True)
         with _lock:

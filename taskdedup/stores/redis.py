@@ -519,23 +519,42 @@ class RedisStore:
             return self._send(self._claim, "claim", key, self._stored(owner), lease_ms)
         return self._trail_claim(key, owner, lease_ms, reserved, check)  # unsent: read() calls
 
+    def carry_claim(self, key: str, owner: str, lease_ms: int, *, reserved: bool = True,
+                    check: str = "") -> SentClaim | None:
+        """:meth:`send_claim` for a transaction another client sends anyway, on this store's
+        server and database, to carry (kombu's unacked record of the message:
+        :mod:`taskdedup.celery.ahead`): no command of its own. The carrier adds
+        ``sent.command`` to its transaction and passes that command's reply, undecoded, to
+        ``sent.reply``; a claim whose reply never came is made by ``read()`` as an ordinary
+        call. None as for :meth:`send_claim`."""
+        if self._take_connection is None:
+            return None
+        check_owner(owner)
+        check_ms("lease_ms", lease_ms)
+        sent = SentClaim(self, key, owner, lease_ms)
+        sent.command = self._claim_command(sent, reserved, check)
+        return sent
+
     def _trail_claim(self, key: str, owner: str, lease_ms: int, reserved: bool = True,
                      check: str = "") -> SentClaim:
-        """A claim sent on this thread's trail, behind its completions: a swap where the
-        server takes one (:mod:`.cas`), else the script."""
+        """A claim sent on this thread's trail, behind its completions."""
         sent = SentClaim(self, key, owner, lease_ms)
-        stored = self._stored(owner)
-        command: tuple[Any, ...]
-        if self._swaps():
-            if not _CHECK.fullmatch(check):
-                check = ""  # a hint from a message: only ever a digest, else none
-            command, sent.expect = cas.claim_command(key, stored, lease_ms, reserved=reserved,
-                                                     check=check)
-            sent.check = check
-        else:
-            command = ("EVALSHA", self._claim.sha, 1, key, stored, lease_ms)
+        command = self._claim_command(sent, reserved, check)
         sent.trail = self._trails.send(command, sent.reply)  # type: ignore[union-attr]
         return sent
+
+    def _claim_command(self, sent: SentClaim, reserved: bool, check: str) -> tuple[Any, ...]:
+        """The first command of ``sent``'s claim: a swap where the server takes one
+        (:mod:`.cas`, the reply it expects kept on ``sent``), else the script."""
+        stored = self._stored(sent._owner)
+        if not self._swaps():
+            return ("EVALSHA", self._claim.sha, 1, sent.key, stored, sent._lease_ms)
+        if not _CHECK.fullmatch(check):
+            check = ""  # a hint from a message: only ever a digest, else none
+        command, sent.expect = cas.claim_command(sent.key, stored, sent._lease_ms,
+                                                 reserved=reserved, check=check)
+        sent.check = check
+        return command
 
     def _claim_script(self, key: str, owner: str, lease_ms: int) -> LockResult:
         """The claim by its script (``claim.lua``): every case of the state machine."""
@@ -972,12 +991,14 @@ _ACQUIRED = LockResult(Outcome.ACQUIRED)
 
 
 class SentClaim:
-    """A claim sent by :meth:`RedisStore.send_claim` on a trail, its reply not read yet.
+    """A claim sent by :meth:`RedisStore.send_claim` on a trail, or carried by another
+    client's transaction (:meth:`RedisStore.carry_claim`), its reply not read yet.
 
     Read it once with :meth:`read`, from any thread; :meth:`discard` reads and drops it.
     """
 
-    __slots__ = ("_lease_ms", "_owner", "_reply", "_store", "check", "expect", "key", "trail")
+    __slots__ = ("_lease_ms", "_owner", "_reply", "_store", "check", "command", "expect", "key",
+                 "trail")
 
     def __init__(self, store: RedisStore, key: str, owner: str, lease_ms: int) -> None:
         self._store = store
@@ -993,6 +1014,8 @@ class SentClaim:
         self._reply: Any = _UNREAD
         self.trail: Any = None
         """The trail it went out on (None: it could not be sent; :meth:`read` claims)."""
+        self.command: tuple[Any, ...] | None = None
+        """The command for a carrier to send (:meth:`RedisStore.carry_claim`), else None."""
 
     def reply(self, reply: Any) -> None:
         """The trail's callback: the reply, or the error the call ended with."""
@@ -1035,6 +1058,8 @@ class SentClaim:
             if check and result.outcome is Outcome.ACQUIRED:  # its completion swaps at once
                 store._held(self.key, stored, check)
             return result
+        if isinstance(reply, NoScriptError):  # carried (a trail makes it again itself):
+            return store._claim_script(self.key, self._owner, self._lease_ms)  # loads it
         if isinstance(reply, RedisError):
             raise store._unavailable(f"claim {self.key!r}", reply) from reply
         if isinstance(reply, BaseException):
