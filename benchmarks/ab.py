@@ -3,10 +3,11 @@
 For a change to the worker's side, whose effect is smaller than this machine's run-to-run
 spread: each tree (a checkout, e.g. ``git worktree add /tmp/old HEAD~1``) gets its own Celery
 worker of the realistic app on its own queue, and every round publishes a plain batch and a
-gated batch to each, trees in alternating order; the ratio gated/plain is taken per tree
-within each round. Besides the ratios it reports, per task, the worker's CPU (the worker
-process and its pool children, from ``/proc``), the server's CPU and the server's commands,
-which move less with the machine's load than throughput does. Linux only (``/proc``).
+gated batch to each, trees in alternating order, the other trees' workers stopped meanwhile;
+the ratio gated/plain is taken per tree within each round. Besides the ratios it reports, per
+task, the worker's CPU (the worker process and its pool children, from ``/proc``), the
+server's CPU and the server's commands (in all, then each), which move less with the
+machine's load than throughput does. Linux only (``/proc``).
 
     python -m benchmarks ab /tmp/old . --pool solo --rounds 4 --tasks 2000
 """
@@ -21,6 +22,8 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -62,10 +65,28 @@ class _Worker:
                 cwd=tree, env=env, stdout=out, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, start_new_session=True)
 
-    def stop(self) -> None:
+    def signal(self, signum: int) -> None:
         if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
+            os.killpg(self.process.pid, signum)
+
+    def stop(self) -> None:
+        self.signal(signal.SIGCONT)
+        self.signal(signal.SIGKILL)
         self.process.wait(timeout=10)
+
+
+@contextmanager
+def _alone(workers: list[_Worker], worker: _Worker) -> Iterator[None]:
+    """The other trees' workers stopped (SIGSTOP) while ``worker`` runs a batch: their idle
+    polls (a BRPOP a second, kombu's restore) would count as this batch's commands and CPU."""
+    others = [other for other in workers if other is not worker]
+    for other in others:
+        other.signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for other in others:
+            other.signal(signal.SIGCONT)
 
 
 def _batch(client: redis.Redis, server_pid: int, worker: _Worker, task: Any, total: int,
@@ -93,7 +114,7 @@ def _batch(client: redis.Redis, server_pid: int, worker: _Worker, task: Any, tot
     commands = command_delta(before, after, total)
     commands.pop("exists", None)  # this function's own polling
     return {"rate": (total - 1) / (t1 - t0), "worker_us": cpu[0], "server_us": cpu[1],
-            "commands": sum(commands.values())}
+            "commands": sum(commands.values()), "each": commands}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,8 +145,9 @@ def main(argv: list[str] | None = None) -> int:
             order = list(enumerate(workers))
             for i, worker in order if round_ % 2 == 0 else order[::-1]:
                 for label, task in (("plain", plain), ("gated", gated)):
-                    results.setdefault((i, label), []).append(
-                        _batch(client, server_pid, worker, task, args.tasks))
+                    with _alone(workers, worker):
+                        batch = _batch(client, server_pid, worker, task, args.tasks)
+                    results.setdefault((i, label), []).append(batch)
                 ratio = results[i, "gated"][-1]["rate"] / results[i, "plain"][-1]["rate"]
                 print(f"round {round_} {trees[i]}: gated/plain {ratio:.3f}", flush=True)
     finally:
@@ -146,4 +168,11 @@ def main(argv: list[str] | None = None) -> int:
               f"server CPU {median('plain', 'server_us'):.0f} → "
               f"{median('gated', 'server_us'):.0f} µs, server commands "
               f"{median('plain', 'commands'):.1f} → {median('gated', 'commands'):.1f}")
+        for label in ("plain", "gated"):
+            runs = results[i, label]
+            names = sorted({name for r in runs for name in r["each"]})
+            each = ", ".join(
+                f"{name} {statistics.median(r['each'].get(name, 0.0) for r in runs):.2f}"
+                for name in names)
+            print(f"  {label} commands per task: {each}")
     return 0

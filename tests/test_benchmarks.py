@@ -268,8 +268,8 @@ def test_the_ab_harness_runs_two_trees_side_by_side(redis_url: str) -> None:
     for line in summaries:
         plain, gated = (float(x) for x in
                         line.split("server commands ")[1].split(" → "))
-        assert plain == pytest.approx(10, abs=1)
-        assert gated == pytest.approx(plain + added, abs=0.5), line
+        assert plain == pytest.approx(10, abs=1), done.stdout
+        assert gated == pytest.approx(plain + added, abs=0.5), done.stdout
 
 
 def test_the_workers_guard_round_trips_count_swaps_and_scripts_together() -> None:
