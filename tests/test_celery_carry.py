@@ -111,6 +111,39 @@ def test_a_claim_that_fails_as_it_runs_gets_its_error_and_kombus_record_stands(
     assert redis_client.type(key) == b"list"
 
 
+def test_carrying_records_share_one_client_while_the_channel_keeps_its_pool(
+    channel: Any, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """kombu builds a new ``redis.Redis`` for every record (~100-140 µs: redis-py's reply
+    callbacks); a record that carries a claim is written through a client kept on the
+    channel, made again only when the channel's pool is replaced (a reconnection)."""
+    made: list[Any] = []
+    create = type(channel)._create_client
+
+    def counting(self: Any, *args: Any, **kwargs: Any) -> Any:
+        client = create(self, *args, **kwargs)
+        made.append(client)
+        return client
+
+    monkeypatch.setattr(type(channel), "_create_client", counting)
+    key = f"it-carry:{uuid.uuid4().hex}"
+    claims = [Carried("SET", key, "R||me", "PX", 60_000, "GET") for _ in range(4)]
+    queue = list(claims)
+    assert _compat.wrap_qos_append(channel, lambda message, carry: queue.pop(0) if queue
+                                   else None, carry=True) is None
+    tags = [str(uuid.uuid4()) for _ in range(5)]
+    for tag in tags[:3]:
+        channel.qos.append(Message(), tag)
+    assert len(made) == 1 and made[0].connection_pool is channel.pool
+    channel._pool = None  # what kombu does when it reconnects
+    channel.qos.append(Message(), tags[3])
+    assert len(made) == 2 and made[1].connection_pool is channel.pool
+    assert [len(claim.replies) for claim in claims] == [1, 1, 1, 1]
+    channel.qos.append(Message(), tags[4])  # nothing carried: kombu's own client
+    assert len(made) == 3
+    assert all(recorded(redis_client, tag) for tag in tags)
+
+
 def test_the_claim_rides_only_where_the_locks_share_the_brokers_database(
     channel: Any, redis_url: str,
 ) -> None:

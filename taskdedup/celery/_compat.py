@@ -542,8 +542,11 @@ def _append_carrying(qos: Any, append: Callable[[Any, Any], Any], message: Any,
 
     @contextmanager
     def pipe_or_acquire(pipe: Any = None, client: Any = None) -> Iterator[Any]:
+        carrier = pipe is None and not taken
+        if carrier and client is None:
+            client = _kept_client(qos.channel)
         with base(qos, pipe, client) as made:
-            if pipe is None and not taken:
+            if carrier:
                 taken.append(made)
                 made.execute = _carrier(made, carried, carrying)
             yield made
@@ -553,6 +556,23 @@ def _append_carrying(qos: Any, append: Callable[[Any, Any], Any], message: Any,
         return append(message, delivery_tag)
     finally:
         del qos.pipe_or_acquire
+
+
+def _kept_client(channel: Any) -> Any:
+    """A client over ``channel``'s pool, made as kombu makes one (``_create_client``) and kept
+    on the channel while its pool stays: kombu builds a new ``redis.Redis`` for every record
+    (on redis-py 8, a dict of ~170 reply callbacks each time); None: kombu makes its own."""
+    kept = channel.__dict__.get("_taskdedup_client")
+    try:
+        pool = channel.pool
+        if kept is None or kept.connection_pool is not pool:
+            kept = channel._create_client()
+            if kept.connection_pool is not pool:
+                return None
+            channel.__dict__["_taskdedup_client"] = kept
+    except Exception:
+        return None
+    return kept
 
 
 def _carrier(pipe: Any, carried: Any, carrying: list[bool]) -> Callable[..., Any]:
