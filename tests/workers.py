@@ -167,6 +167,7 @@ class RqWorker(WorkerProcess):
         # SIGKILLed one of that name as active, and RQ then refuses to start it.
         self.name = f"rqw-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self._client: redis.Redis | None = None
+        self._own_lock: bytes | None = None  # the scheduler lock's value it took
 
     def command(self) -> list[str]:
         return [
@@ -176,13 +177,39 @@ class RqWorker(WorkerProcess):
         ]
 
     def ready(self) -> bool:
-        if self._client is None:
-            self._client = redis.Redis.from_url(self.redis_url)
-        client = self._client
+        client = self.client()
         if client.hget(f"rq:worker:{self.name}", "state") != b"idle":
             return False
-        lock = f"rq:scheduler-lock:{self.queues[0]}"
-        return not self.scheduler or bool(client.exists(lock))
+        return not self.scheduler or bool(client.exists(self.scheduler_lock()))
+
+    def client(self) -> redis.Redis:
+        if self._client is None:
+            self._client = redis.Redis.from_url(self.redis_url)
+        return self._client
+
+    def scheduler_lock(self) -> str:
+        return f"rq:scheduler-lock:{self.queues[0]}"
+
+    def start(self, timeout: float = 60.0) -> Self:
+        before = self.client().get(self.scheduler_lock()) if self.scheduler else None
+        super().start(timeout)
+        held = self.client().get(self.scheduler_lock()) if self.scheduler else None
+        # the lock appeared while this worker started: it took it (SET NX), so it is its own
+        self._own_lock = held if before is None else None
+        return self
+
+    def stop(self) -> None:
+        """Warm shutdown, and the scheduler lock this worker took is gone after it.
+
+        RQ forks its scheduler and the child sets its SIGTERM handler a moment later: a warm
+        stop that lands in between kills the child before it releases the lock, which then
+        outlives the worker by a minute (``interval + 60`` s; 1 in 8 quick stops here), and a
+        worker started meanwhile schedules nothing for two minutes. So the lock this worker
+        took, if still there once it stopped, is deleted (only that one: compared first)."""
+        super().stop()
+        own, self._own_lock = self._own_lock, None
+        if own is not None and self.client().get(self.scheduler_lock()) == own:
+            self.client().delete(self.scheduler_lock())
 
 
 def stored_result(app: Any, task_id: str, worker: WorkerProcess, timeout: float = 30.0,
