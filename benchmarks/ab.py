@@ -65,13 +65,13 @@ class _Worker:
                 cwd=tree, env=env, stdout=out, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, start_new_session=True)
 
-    def signal(self, signum: int) -> None:
+    def send_signal(self, signum: int) -> None:
         if self.process.poll() is None:
             os.killpg(self.process.pid, signum)
 
     def stop(self) -> None:
-        self.signal(signal.SIGCONT)
-        self.signal(signal.SIGKILL)
+        self.send_signal(signal.SIGCONT)
+        self.send_signal(signal.SIGKILL)
         self.process.wait(timeout=10)
 
 
@@ -81,12 +81,12 @@ def _alone(workers: list[_Worker], worker: _Worker) -> Iterator[None]:
     polls (a BRPOP a second, kombu's restore) would count as this batch's commands and CPU."""
     others = [other for other in workers if other is not worker]
     for other in others:
-        other.signal(signal.SIGSTOP)
+        other.send_signal(signal.SIGSTOP)
     try:
         yield
     finally:
         for other in others:
-            other.signal(signal.SIGCONT)
+            other.send_signal(signal.SIGCONT)
 
 
 def _batch(client: redis.Redis, server_pid: int, worker: _Worker, task: Any, total: int,
