@@ -26,7 +26,7 @@ app.conf.update(
     taskdedup_url=os.environ.get("TASKDEDUP_TEST_LOCK_URL", URL),
     task_default_queue=os.environ.get("TASKDEDUP_TEST_QUEUE", "celery"),
     broker_connection_retry_on_startup=True,
-    worker_prefetch_multiplier=1,
+    worker_prefetch_multiplier=int(os.environ.get("TASKDEDUP_TEST_PREFETCH") or 1),
     worker_hijack_root_logger=False,
     result_expires=600,
     broker_transport=os.environ.get("TASKDEDUP_TEST_TRANSPORT") or None,

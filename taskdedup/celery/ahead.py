@@ -43,7 +43,7 @@ from ..exceptions import StoreUnavailableError
 from ..pids import pid as this_pid
 from ..policy import OnDuplicate, is_disabled
 from ..stores.base import Outcome
-from . import _compat
+from . import _compat, handover
 from ._message import HEADER, carried_check, carried_key, is_off, marked
 from .config import get_deduplicator
 
@@ -52,11 +52,24 @@ __all__ = ["ClaimAhead", "DedupRequest", "abandon", "discard", "send_ahead", "ta
 # task id -> (name, sent claim, Deduplicator, sending thread), on its way to its body
 _ahead: dict[str, Any] = {}
 _lock = threading.Lock()
+_handing: list[bool] = [False]  # a prefork worker's main process hands its claims over
 
 
 class DedupRequest(Request):  # type: ignore[misc]
     """Celery's ``Request``, with the claim sent when the pool accepts the task, if the body
-    runs in this process and it was not sent already (see the module)."""
+    runs in this process and it was not sent already; on a prefork worker, with the claim
+    that kombu's record carried handed to the pool process (see the module)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """Celery's ``__init__``; then, in a prefork worker's main process, the claim carried
+        by the message's record is handed over with the request's fields. Only this process
+        sets that field: one the message brought is dropped."""
+        super().__init__(*args, **kwargs)
+        fields = getattr(self, "_request_dict", None)
+        if isinstance(fields, dict):
+            fields.pop(handover.FIELD, None)
+            if _handing[0] and _ahead:
+                _hand_over(self, fields)
 
     def on_accepted(self, pid: int, time_accepted: float) -> None:
         """Send the claim ahead when the body runs in this process, then Celery's own
@@ -73,51 +86,110 @@ class DedupRequest(Request):  # type: ignore[misc]
     def on_failure(self, exc_info: Any, send_failed_event: bool = True,
                    return_ok: bool = False) -> None:
         """Celery's ``on_failure``; a claim sent ahead that the body never read (the
-        message did not decode) is given back first."""
+        message did not decode), or handed over and not taken, is given back first."""
         abandon(self.id)
+        handover.end(self.id)
         super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
 
 
+    def on_success(self, failed__retval__runtime: Any, **kwargs: Any) -> None:
+        """Celery's ``on_success`` (the pool's answer, whatever it is); first, a claim
+        handed over that no pool process took is given back."""
+        handover.end(self.id)
+        super().on_success(failed__retval__runtime, **kwargs)
+
+
+def _hand_over(request: Any, fields: dict[str, Any]) -> None:
+    """Read the claim carried for ``request`` (prefork, main process) and, when it took the
+    lock, hand it to the pool process; one that cannot be handed over is released, and the
+    pool process claims as usual. Never raises."""
+    taken = take(request.id)
+    if taken is None:
+        return
+    name, sent, dedup, _ = taken
+    try:
+        result = sent.read()
+    except StoreUnavailableError:  # nothing taken that we know of: the pool process claims
+        return
+    except Exception:
+        logger.debug("taskdedup: the claim carried for %s could not be read", request.id,
+                     exc_info=True)
+        return
+    if result.outcome is not Outcome.ACQUIRED:
+        return  # the pool process's own claim gets the same answer
+    try:
+        policy = request.task._dedup_policy
+        if handover.hand(fields, request.id, name, sent.key, dedup, policy.lease_ms):
+            return
+    except Exception:
+        logger.debug("taskdedup: the claim carried for %s could not be handed over",
+                     request.id, exc_info=True)
+        fields.pop(handover.FIELD, None)
+        handover.end(request.id, release=False)
+    dedup.release(name, sent.key, request.id, reason="stopped")
+
+
 class ClaimAhead(bootsteps.StartStopStep):  # type: ignore[misc]
-    """Consumer bootstep: on a solo pool with kombu's Redis transport, send each gated
-    call's claim as kombu records its message unacked (see the module). Runs at every
-    consumer (re)start, as the channel is made anew."""
+    """Consumer bootstep: with kombu's Redis transport, on a solo pool, send each gated
+    call's claim as kombu records its message unacked; on a prefork pool, where the locks
+    are in the broker's database, carry it in that record and hand it to the pool process
+    (:mod:`.handover`). See the module. Runs at every consumer (re)start, as the channel is
+    made anew; a stop closes the offers no pool process took."""
 
     requires = ("celery.worker.consumer.tasks:Tasks",)
 
     def start(self, c: Any) -> None:
         hub = getattr(c, "hub", None)
-        if type(c.pool).__module__ != "celery.concurrency.solo" or hub is None:
+        kind = type(c.pool).__module__
+        prefork = kind == "celery.concurrency.prefork"
+        if (kind != "celery.concurrency.solo" and not prefork) or hub is None:
             return
         app, tasks = c.app, c.app.tasks
         channel = getattr(getattr(c, "task_consumer", None), "channel", None)
         not_carried = _carry_missing(app, channel)
+        if prefork and (not_carried or not handover.ready()):
+            logger.debug("taskdedup: each pool process claims its own calls (%s)",
+                         not_carried or "no table to hand claims over: the pool did not "
+                         "fork after worker_init")
+            return
 
         def before_append(message: Any, carry: bool) -> Any | None:
             headers = getattr(message, "headers", None)
             if not isinstance(headers, Mapping) or headers.get("eta"):
+                return None
+            if prefork and not (carry and handover.room()):  # never a round trip of its own
                 return None
             task = tasks.get(headers.get("task"))
             if task is None or task.app is not app or (
                     getattr(task, "rate_limit", None) and not c.disable_rate_limits):
                 return None
             task_id = headers.get("id")
-            sent = send_ahead(task, task_id, headers, carry=carry)
+            sent = send_ahead(task, task_id, headers, carry=carry, carried_only=prefork)
             if sent is None:
                 return None
-            # Celery handles the message (the solo pool: its body too) before the loop's
-            # next turn; a claim still unread then had no body (revoked or expired on
-            # arrival, a message that does not decode): give it back
+            # Celery handles the message (the solo pool: its body too; prefork: its request,
+            # which takes the claim to hand it over) before the loop's next turn; a claim
+            # still unread then had no body (revoked or expired on arrival, a message that
+            # does not decode): give it back
             hub.call_soon(abandon, task_id)
             return sent if getattr(sent, "command", None) is not None else None
 
         missing = _compat.wrap_qos_append(channel, before_append, carry=not_carried is None)
+        _handing[0] = prefork and not missing
         if missing:
             logger.debug("taskdedup: the claim goes out when the pool accepts the task "
                          "(%s)", missing)
         elif not_carried:
             logger.debug("taskdedup: the claim goes out on a connection of its own as kombu "
                          "records the message (%s)", not_carried)
+
+    def stop(self, c: Any) -> None:
+        """The consumer stops (a restart, the worker's shutdown): claims handed over that no
+        pool process took are given back, as their messages go back to the broker."""
+        handover.end_all()
+
+    def shutdown(self, c: Any) -> None:
+        handover.end_all()
 
 
 def _carry_missing(app: Any, channel: Any) -> str | None:
@@ -135,12 +207,13 @@ def _carry_missing(app: Any, channel: Any) -> str | None:
     return _compat.same_database_missing(channel, getattr(store, "client", None))
 
 
-def send_ahead(task: Any, task_id: Any, fields: Mapping[str, Any], *, carry: bool = False
-               ) -> Any | None:
+def send_ahead(task: Any, task_id: Any, fields: Mapping[str, Any], *, carry: bool = False,
+               carried_only: bool = False) -> Any | None:
     """Send the claim of ``task``'s call ``task_id`` now, if it can go ahead (``fields``:
     the message headers, or the request's fields, holding the ``taskdedup`` header): the
     claim sent, or None. ``carry``: the caller's transaction carries it where the store can
-    (the claim's ``command`` is then set, for the caller to add, else it went out)."""
+    (the claim's ``command`` is then set, for the caller to add, else it went out);
+    ``carried_only``: a claim that cannot be carried is not sent at all."""
     if isinstance(task_id, str) and task_id in _ahead:
         return None  # sent already (the solo pool accepts what kombu's record claimed)
     try:
@@ -169,7 +242,7 @@ def send_ahead(task: Any, task_id: Any, fields: Mapping[str, Any], *, carry: boo
             abandon(tid)
         check = carried_check(raw, name)
         sent = dedup.carry_start(policy, key, task_id, check=check) if carry else None
-        if sent is None:
+        if sent is None and not carried_only:
             sent = dedup.send_start(policy, key, task_id, check=check)
     except Exception:  # anything odd: before_start claims as before, and says what is wrong
         logger.debug("taskdedup: the claim of %s was not sent ahead", task_id, exc_info=True)

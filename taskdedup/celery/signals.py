@@ -20,7 +20,7 @@ from .. import running, stats
 from ..events import logger
 from ..policy import Mode
 from ..stores import trail
-from . import _compat, ahead, claims, holders
+from . import _compat, ahead, claims, handover, holders
 from ._message import (
     COMPLETED_ATTR,
     HEADER,
@@ -154,6 +154,7 @@ def _on_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
     # Request: _lock_key reads the header from either.
     task_id = request.id
     ahead.discard(task_id)  # its claim, sent as the message arrived (solo): released below
+    handover.end(task_id, release=False)  # or carried for a pool process (prefork): so too
     key = _lock_key(task, task_id, request)
     claims.forget(task_id)
     if key and task_id:
@@ -241,6 +242,7 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
     """A worker starts, before it connects: with ``taskdedup_reliable_fetch``, it consumes
     through taskdedup's transport (:func:`~taskdedup.celery.config.use_reliable_fetch`)."""
     holders.open_table()  # before the pool forks: its processes say what they hold
+    handover.open_table()  # and take the claims the main process carried for them
     app = getattr(sender, "app", None)
     if app is not None:
         use_reliable_fetch(app, getattr(sender, "hostname", None))

@@ -50,7 +50,7 @@ from ..policy import MAX_DURATION_MS, OnDuplicate, Policy, is_disabled
 from ..running import Running
 from ..stores.base import LockState, Outcome
 from ..stores.redis import may_have_run, refused
-from . import _compat, claims, eager, holders
+from . import _compat, claims, eager, handover, holders
 from . import ahead as claimed_ahead
 from . import limits as task_limits
 from ._message import (
@@ -693,16 +693,19 @@ class DedupTask(Task):  # type: ignore[misc]
         """Claim the running lock; skip the body of a duplicate; put off a concurrent copy of
         this very message; end a redelivery of a call that already succeeded."""
         ahead = [claimed_ahead.take(task_id)]  # the claim sent before the ack, if any
+        handed = handover.pop_field(self.request)  # or the one a prefork main process made
         try:
-            self._claim_body(task_id, args, kwargs, ahead)
+            self._claim_body(task_id, args, kwargs, ahead, handed)
         finally:
             if ahead[0] is not None:  # sent ahead, not read: never a lock without its body
                 claimed_ahead.abandon(task_id, ahead[0])
 
     def _claim_body(self, task_id: str, args: Sequence[Any], kwargs: Mapping[str, Any],
-                    ahead: list[tuple[str, Any, Any, int] | None]) -> None:
+                    ahead: list[tuple[str, Any, Any, int] | None], handed: Any = None) -> None:
         """:meth:`_claim_start`'s work; ``ahead[0]``, the claim sent ahead, is emptied when
-        this claim reads it."""
+        this claim reads it; ``handed``: the offer of a claim the worker's main process made
+        (:mod:`.handover`), taken here if it is still offered for this call's lock (one not
+        taken is given back by the main process when the request ends)."""
         super().before_start(task_id, args, kwargs)
         request = self.request
         setattr(request, TRACED_ATTR, True)  # the tracer's call, not a direct one
@@ -732,6 +735,10 @@ class DedupTask(Task):  # type: ignore[misc]
                 # read (and given back) before this claim, which would otherwise find the lock
                 # it took and take it for a copy of this very call running elsewhere
                 claimed_ahead.abandon(task_id, early)
+        if handed is not None and sent is None and generation is None:
+            adopt = getattr(dedup.store, "handed_claim", None)
+            if adopt is not None and handover.take(handed, task_id, key):
+                sent = adopt(key, task_id, check)
         try:
             if generation is None:
                 result = dedup.start(self.name, policy, key, task_id, sent=sent, check=check,

@@ -535,6 +535,15 @@ class RedisStore:
         sent.command = self._claim_command(sent, reserved, check)
         return sent
 
+    def handed_claim(self, key: str, owner: str, check: str = "") -> HandedClaim:
+        """A claim of ``key`` for ``owner`` that another process of this worker made on this
+        store's server and handed to this one (:mod:`taskdedup.celery.handover`), for
+        ``Deduplicator.start(..., sent=...)``: it reads as acquired, with no command; the
+        completion then expects ``check`` (an explicit key's argument check, as the claim's
+        swap did)."""
+        check_owner(owner)
+        return HandedClaim(self, key, owner, check if _CHECK.fullmatch(check) else "")
+
     def _trail_claim(self, key: str, owner: str, lease_ms: int, reserved: bool = True,
                      check: str = "") -> SentClaim:
         """A claim sent on this thread's trail, behind its completions."""
@@ -1075,6 +1084,24 @@ class SentClaim:
             except Exception:
                 logger.debug("taskdedup: a claim's reply could not be read", exc_info=True)
         self._reply = _UNREAD
+
+
+class HandedClaim:
+    """A claim made by another process and handed over (:meth:`RedisStore.handed_claim`)."""
+
+    __slots__ = ("_check", "_owner", "_store", "key")
+
+    def __init__(self, store: RedisStore, key: str, owner: str, check: str) -> None:
+        self._store, self.key, self._owner, self._check = store, key, owner, check
+
+    def read(self) -> LockResult:
+        """Acquired: the lock is this owner's, running (the check remembered)."""
+        if self._check:
+            self._store._held(self.key, self._store._stored(self._owner), self._check)
+        return _ACQUIRED
+
+    def discard(self) -> None:
+        """Nothing to read."""
 
 
 class SentReserve:
