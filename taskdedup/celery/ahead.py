@@ -18,12 +18,16 @@ connection of its own, and ``before_start`` then reads a reply that is there alr
   process that took the message (solo, threads, eventlet, gevent), the claim goes out when
   the pool accepts the task, overlapping Celery's own work before ``before_start``.
 
-Under prefork the body runs in a pool process (its own connections): the claim stays there.
+Under prefork the body runs in a pool process, later: where kombu's record can carry the
+claim (as on a solo pool), the main process's record carries it, and the request hands it to
+the pool process (:mod:`.handover`); elsewhere the pool process claims in ``before_start``.
 Only a call that runs at once and whose message carries its lock key goes ahead (no ETA or
 countdown, no rate limit, not bypassed or marked, no debounce/coalesce generation, no
 approximate window, not ``until_executing``); anything else is claimed by ``before_start`` as
-before. The claim still runs on the server before the body starts, and never for a message
-that will wait: a lease taken ahead is taken moments before the body. A claim sent ahead
+before. The claim still runs on the server before the body starts. On a solo pool it is
+never made for a message that will wait (a lease taken ahead is taken moments before the
+body); under prefork a message may wait in the prefetch buffer with its claim taken, its
+lease renewed by the main process until a pool process takes it. A claim sent ahead
 whose body never reaches ``before_start`` (revoked or expired on arrival, a message that does
 not decode, an ack that fails) is read and, when it took the lock, released: when Celery says
 so, else when the same thread takes its next message.
