@@ -44,6 +44,13 @@ class _Dedup:
         return True
 
 
+class _Request:
+    """What :func:`handover.hand` uses of a Celery request: its id, and a weak reference."""
+
+    def __init__(self, task_id: str) -> None:
+        self.id = task_id
+
+
 @pytest.fixture
 def table(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     for name, value in (("_table", [None]), ("_lock", [None]), ("_owner", [None]),
@@ -53,9 +60,16 @@ def table(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield
 
 
-def _offer(dedup: _Dedup, task_id: str = "task-a", key: str = "k:a") -> list[int]:
+_requests: list[_Request] = []  # alive while a test runs
+
+
+def _offer(dedup: _Dedup, task_id: str = "task-a", key: str = "k:a",
+           request: _Request | None = None) -> list[int]:
     fields: dict[str, Any] = {}
-    assert handover.hand(fields, task_id, "t", key, dedup, 60_000)
+    if request is None:
+        request = _Request(task_id)
+        _requests.append(request)
+    assert handover.hand(request, fields, "t", key, dedup, 60_000)
     return list(fields[handover.FIELD])
 
 
@@ -122,6 +136,35 @@ def test_a_stopping_consumer_withdraws_every_offer_left(table: None) -> None:
     assert dedup.beat.renewing == {}
 
 
+def test_offers_seen_taken_are_closed_so_the_slots_never_run_out(table: None) -> None:
+    """Celery's own request class ends a success without a hook of taskdedup's: a taken
+    offer is closed when the next one is made, not when its request ends."""
+    dedup = _Dedup()
+    for n in range(handover.SLOTS + 100):
+        handed = _offer(dedup, f"task-{n}", f"k:{n}")
+        assert handover.take(handed, f"task-{n}", f"k:{n}")
+    assert len(handover._offers) == 1  # the last one, taken: closed at the next offer
+    assert dedup.released == []
+    assert len(dedup.beat.renewing) == 1
+
+
+def test_an_offer_whose_request_is_gone_untaken_stops_renewing_and_is_given_back(
+    table: None,
+) -> None:
+    """A request Celery let go while its offer stood (a body that never reached its claim,
+    and ended without a failure): its lease is no longer renewed, and the next offer releases
+    its lock."""
+    dedup = _Dedup()
+    request = _Request("task-a")
+    _offer(dedup, "task-a", "k:a", request=request)
+    settled = dedup.beat.renewing["k:a", "task-a"]
+    assert settled() is False
+    del request
+    assert settled() is True
+    _offer(dedup, "task-b", "k:b")
+    assert dedup.released == [("k:a", "task-a", "stopped")]
+
+
 def test_a_table_left_locked_is_called_broken_and_nothing_more_is_handed_over(
     table: None, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -136,7 +179,7 @@ def test_a_table_left_locked_is_called_broken_and_nothing_more_is_handed_over(
         assert dedup.released == []
         assert dedup.beat.renewing == {}
         fields: dict[str, Any] = {}
-        assert not handover.hand(fields, "task-c", "t", "k:c", dedup, 60_000)
+        assert not handover.hand(_Request("task-c"), fields, "t", "k:c", dedup, 60_000)
         assert fields == {}
     finally:
         handover._lock[0].release()
@@ -146,7 +189,7 @@ def test_a_process_without_the_table_hands_nothing_over(monkeypatch: pytest.Monk
                                                          ) -> None:
     monkeypatch.setattr(handover, "_table", [None])
     assert not handover.ready()
-    assert not handover.hand({}, "task-a", "t", "k:a", _Dedup(), 60_000)
+    assert not handover.hand(_Request("task-a"), {}, "t", "k:a", _Dedup(), 60_000)
     assert not handover.take([0, 1], "task-a", "k:a")
 
 

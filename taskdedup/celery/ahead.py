@@ -96,11 +96,6 @@ class DedupRequest(Request):  # type: ignore[misc]
         super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
 
 
-    def on_success(self, failed__retval__runtime: Any, **kwargs: Any) -> None:
-        """Celery's ``on_success`` (the pool's answer, whatever it is); first, a claim
-        handed over that no pool process took is given back."""
-        handover.end(self.id)
-        super().on_success(failed__retval__runtime, **kwargs)
 
 
 def _hand_over(request: Any, fields: dict[str, Any]) -> None:
@@ -123,7 +118,7 @@ def _hand_over(request: Any, fields: dict[str, Any]) -> None:
         return  # the pool process's own claim gets the same answer
     try:
         policy = request.task._dedup_policy
-        if handover.hand(fields, request.id, name, sent.key, dedup, policy.lease_ms):
+        if handover.hand(request, fields, name, sent.key, dedup, policy.lease_ms):
             return
     except Exception:
         logger.debug("taskdedup: the claim carried for %s could not be handed over",

@@ -31,6 +31,8 @@ import mmap
 import multiprocessing
 import os
 import struct
+import weakref
+from collections.abc import Callable
 from typing import Any, Final
 
 from ..events import logger
@@ -54,8 +56,9 @@ _table: list[mmap.mmap | None] = [None]
 _lock: list[Any] = [None]
 _owner: list[int | None] = [None]  # the process that made the table (the main process)
 _free: list[int] = []  # slots the main process may offer
-# task id -> (slot and generation, task name, lock key, Deduplicator): the main process's offers
-_offers: dict[str, tuple[list[int], str, str, Any]] = {}
+# task id -> (slot and generation, task name, lock key, Deduplicator, the request, weakly):
+# the main process's offers, until it sees them taken (or withdraws them)
+_offers: dict[str, tuple[list[int], str, str, Any, Callable[[], Any]]] = {}
 
 
 def open_table() -> None:
@@ -78,20 +81,33 @@ def room() -> bool:
     return bool(_free) and ready()
 
 
-def hand(fields: dict[str, Any], task_id: str, name: str, key: str, dedup: Any,
+def hand(request: Any, fields: dict[str, Any], name: str, key: str, dedup: Any,
          lease_ms: int) -> bool:
-    """The main process's claim of ``task_id`` took ``key``: offer it to the pool process
-    that will run the body, through the request's ``fields``, and renew its lease while it is
-    offered. False when it cannot be offered (the caller releases the lock)."""
+    """The main process's claim of ``request``'s call took ``key``: offer it to the pool
+    process that will run the body, through the request's ``fields``, and renew its lease
+    while it is offered and the request lives. False when it cannot be offered (the caller
+    releases the lock). The offers seen taken since the last call are closed first, and
+    those whose request is gone untaken are withdrawn and their locks released."""
+    _reap()
+    task_id = request.id
     handed = _offer(task_id, key)
     if handed is None:
         return False
+    ref = weakref.ref(request)
     fields[FIELD] = handed
-    _offers[task_id] = (handed, name, key, dedup)
+    _offers[task_id] = (handed, name, key, dedup, ref)
     beat = dedup.heartbeat()
     beat.add(name, key, task_id, lease_ms)
-    beat.hand_over(key, task_id, lambda: not _offered(handed))
+    beat.hand_over(key, task_id, lambda: ref() is None or not _offered(handed))
     return True
+
+
+def _reap() -> None:
+    """Close the offers a pool process took, and end those whose request Celery let go
+    while still offered (a body that never reached its claim)."""
+    for task_id, (handed, _, _, _, ref) in list(_offers.items()):
+        if _state(handed) != _OFFERED or ref() is None:
+            end(task_id)
 
 
 def end(task_id: str | None, *, release: bool = True) -> None:
@@ -101,7 +117,7 @@ def end(task_id: str | None, *, release: bool = True) -> None:
     entry = _offers.pop(task_id, None) if task_id else None
     if entry is None:
         return
-    handed, name, key, dedup = entry
+    handed, name, key, dedup, _ = entry
     try:
         withdrawn = _close(handed)
         if withdrawn and release:
@@ -213,12 +229,19 @@ def _close(handed: list[int]) -> bool | None:
     return bool(state == _OFFERED)
 
 
-def _offered(handed: list[int]) -> bool:
-    """Whether ``handed`` is still offered (no pool process took it yet): read without the
-    lock, for the main process's lease renewals (a stale answer renews once more)."""
+def _state(handed: list[int]) -> int:
+    """The state of offer ``handed``, read without the lock (the main process's own
+    bookkeeping: a stale answer is corrected under the lock by :func:`_close`); free when the
+    slot holds another generation."""
     table = _table[0]
     if table is None:
-        return False
+        return _FREE
     slot, generation = handed
     held, state, *_ = _SLOT.unpack_from(table, _HEADER + slot * _SLOT.size)
-    return bool(held == generation and state == _OFFERED)
+    return int(state) if held == generation else _FREE
+
+
+def _offered(handed: list[int]) -> bool:
+    """Whether ``handed`` is still offered (no pool process took it yet), for the main
+    process's lease renewals (a stale answer renews once more)."""
+    return _state(handed) == _OFFERED
