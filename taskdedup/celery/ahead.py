@@ -96,8 +96,6 @@ class DedupRequest(Request):  # type: ignore[misc]
         super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
 
 
-
-
 def _hand_over(request: Any, fields: dict[str, Any]) -> None:
     """Read the claim carried for ``request`` (prefork, main process) and, when it took the
     lock, hand it to the pool process; one that cannot be handed over is released, and the
@@ -138,6 +136,7 @@ class ClaimAhead(bootsteps.StartStopStep):  # type: ignore[misc]
     requires = ("celery.worker.consumer.tasks:Tasks",)
 
     def start(self, c: Any) -> None:
+        _handing[0] = False
         hub = getattr(c, "hub", None)
         kind = type(c.pool).__module__
         prefork = kind == "celery.concurrency.prefork"
