@@ -10,7 +10,10 @@ from typing import Any
 
 import pytest
 
+from taskdedup import Policy
 from taskdedup.celery import handover
+
+POLICY = Policy(ttl=60)
 
 
 class _Beat:
@@ -28,15 +31,27 @@ class _Beat:
         self.renewing.pop((key, owner), None)
 
 
+class _Store:
+    def __init__(self) -> None:
+        self.reserved: list[tuple[str, str, int]] = []
+
+    def reserve(self, key: str, owner: str, ttl_ms: int) -> None:
+        self.reserved.append((key, owner, ttl_ms))
+
+
 class _Dedup:
     """What :func:`handover.hand` and :func:`handover.end` use of a Deduplicator."""
 
     def __init__(self) -> None:
         self.beat = _Beat()
+        self.store = _Store()
         self.released: list[tuple[str, str, str]] = []
 
     def heartbeat(self) -> _Beat:
         return self.beat
+
+    def stop_heartbeat(self, key: str, owner: str) -> None:
+        self.beat.remove(key, owner)
 
     def release(self, name: str, key: str, owner: str, *, reason: str) -> bool:
         self.released.append((key, owner, reason))
@@ -69,7 +84,7 @@ def _offer(dedup: _Dedup, task_id: str = "task-a", key: str = "k:a",
     if request is None:
         request = _Request(task_id)
         _requests.append(request)
-    assert handover.hand(request, fields, "t", key, dedup, 60_000)
+    assert handover.hand(request, fields, "t", key, dedup, POLICY)
     return list(fields[handover.FIELD])
 
 
@@ -126,13 +141,15 @@ def test_only_the_offer_for_this_call_and_this_lock_can_be_taken(table: None) ->
     assert not handover.take(handed, "task-a", "k:a")  # once
 
 
-def test_a_stopping_consumer_withdraws_every_offer_left(table: None) -> None:
+def test_a_stopping_consumer_turns_every_offer_left_back_to_queued(table: None) -> None:
+    """Their messages go back to the broker: each lock goes back to its own reservation."""
     dedup = _Dedup()
     taken = _offer(dedup, "task-a", "k:a")
     _offer(dedup, "task-b", "k:b")
     assert handover.take(taken, "task-a", "k:a")
     handover.end_all()
-    assert dedup.released == [("k:b", "task-b", "stopped")]
+    assert dedup.store.reserved == [("k:b", "task-b", POLICY.ttl_ms)]
+    assert dedup.released == []
     assert dedup.beat.renewing == {}
 
 
@@ -179,7 +196,7 @@ def test_a_table_left_locked_is_called_broken_and_nothing_more_is_handed_over(
         assert dedup.released == []
         assert dedup.beat.renewing == {}
         fields: dict[str, Any] = {}
-        assert not handover.hand(_Request("task-c"), fields, "t", "k:c", dedup, 60_000)
+        assert not handover.hand(_Request("task-c"), fields, "t", "k:c", dedup, POLICY)
         assert fields == {}
     finally:
         handover._lock[0].release()
@@ -189,7 +206,7 @@ def test_a_process_without_the_table_hands_nothing_over(monkeypatch: pytest.Monk
                                                          ) -> None:
     monkeypatch.setattr(handover, "_table", [None])
     assert not handover.ready()
-    assert not handover.hand(_Request("task-a"), {}, "t", "k:a", _Dedup(), 60_000)
+    assert not handover.hand(_Request("task-a"), {}, "t", "k:a", _Dedup(), POLICY)
     assert not handover.take([0, 1], "task-a", "k:a")
 
 

@@ -135,13 +135,13 @@ def test_a_handover_word_in_the_message_takes_nothing(capp: Any, rc: redis.Redis
     assert rc.get(key) == b"R||other-holder"
 
 
-def test_a_stopping_worker_gives_back_the_claims_of_the_messages_it_did_not_start(
+def test_a_stopping_worker_turns_back_the_claims_of_the_messages_it_did_not_start(
     capp: Any, rc: redis.Redis, redis_url: str,
 ) -> None:
     """One pool process, a prefetch of four: while the first body runs, the next messages
-    wait in the main process, their claims carried (running). A warm stop finishes the first
-    and gives the others' claims back with their messages, so the next worker runs each
-    once at once, not a lease later."""
+    wait in the main process, their claims carried (running). A warm stop turns the others' locks
+    back to their own reservations as their messages go back, so the next worker runs each
+    once at once, not a lease later, and a duplicate meanwhile is still one."""
     queue = f"{QUEUE}-stop"
     first = label()  # its pool process gets the stop's SIGTERM too (the process group's)
     staged(capp, rc, capp.slow_once_expiring, first, 3.0)
@@ -157,7 +157,9 @@ def test_a_stopping_worker_gives_back_the_claims_of_the_messages_it_did_not_star
         assert not any(recorded(rc, name) for name in names)
     finally:
         stopping.stop()
-    assert [running(rc, key) for _, key in calls] == [False] * len(calls)
+    # each back to its own reservation, as before its claim (SPEC §5)
+    assert [rc.get(key) for _, key in calls] == [
+        f"Q||{task_id}".encode() for task_id, _ in calls]
     assert not any(recorded(rc, name) for name in names)
     # back where they were published (the staging queue), moved to the next worker's
     wait_for(lambda: rc.llen(STAGE) == len(calls), timeout=10, what="the messages back")

@@ -116,7 +116,7 @@ def _hand_over(request: Any, fields: dict[str, Any]) -> None:
         return  # the pool process's own claim gets the same answer
     try:
         policy = request.task._dedup_policy
-        if handover.hand(request, fields, name, sent.key, dedup, policy.lease_ms):
+        if handover.hand(request, fields, name, sent.key, dedup, policy):
             return
     except Exception:
         logger.debug("taskdedup: the claim carried for %s could not be handed over",
@@ -183,7 +183,8 @@ class ClaimAhead(bootsteps.StartStopStep):  # type: ignore[misc]
 
     def stop(self, c: Any) -> None:
         """The consumer stops (a restart, the worker's shutdown): claims handed over that no
-        pool process took are given back, as their messages go back to the broker."""
+        pool process took go back to ``queued`` by their ids, as their messages go back to
+        the broker."""
         handover.end_all()
 
     def shutdown(self, c: Any) -> None:

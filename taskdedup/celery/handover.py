@@ -14,9 +14,10 @@ passes ``[slot, generation]`` with the request; the pool process *takes* it — 
 marked taken only if it still holds that generation for that id and key. The main process
 renews the lock's lease while the slot is offered (the message may wait in its prefetch
 buffer), and *closes* the slot when the request ends, is revoked, or the consumer stops: a
-slot still offered then is withdrawn, and the caller releases the lock (its body never ran
-with it). Take and close run under one lock shared by the processes, so exactly one of them
-wins: a pool process that finds the slot withdrawn claims as usual, and a main process that
+slot still offered then is withdrawn, and its lock released (its body never ran with it), or,
+as the consumer stops and the message goes back to the broker, turned back to ``queued``.
+Take and close run under one lock shared by the processes, so exactly one of them wins: a
+pool process that finds the slot withdrawn claims as usual, and a main process that
 finds it taken leaves the lock to the pool process.
 
 Where anything is missing (no table: the pool did not fork from this main process; a table
@@ -56,9 +57,9 @@ _table: list[mmap.mmap | None] = [None]
 _lock: list[Any] = [None]
 _owner: list[int | None] = [None]  # the process that made the table (the main process)
 _free: list[int] = []  # slots the main process may offer
-# task id -> (slot and generation, task name, lock key, Deduplicator, the request, weakly):
-# the main process's offers, until it sees them taken (or withdraws them)
-_offers: dict[str, tuple[list[int], str, str, Any, Callable[[], Any]]] = {}
+# task id -> (slot and generation, task name, lock key, Deduplicator, Policy, the request,
+# weakly): the main process's offers, until it sees them taken (or withdraws them)
+_offers: dict[str, tuple[list[int], str, str, Any, Any, Callable[[], Any]]] = {}
 
 
 def open_table() -> None:
@@ -82,7 +83,7 @@ def room() -> bool:
 
 
 def hand(request: Any, fields: dict[str, Any], name: str, key: str, dedup: Any,
-         lease_ms: int) -> bool:
+         policy: Any) -> bool:
     """The main process's claim of ``request``'s call took ``key``: offer it to the pool
     process that will run the body, through the request's ``fields``, and renew its lease
     while it is offered and the request lives. False when it cannot be offered (the caller
@@ -95,9 +96,9 @@ def hand(request: Any, fields: dict[str, Any], name: str, key: str, dedup: Any,
         return False
     ref = weakref.ref(request)
     fields[FIELD] = handed
-    _offers[task_id] = (handed, name, key, dedup, ref)
+    _offers[task_id] = (handed, name, key, dedup, policy, ref)
     beat = dedup.heartbeat()
-    beat.add(name, key, task_id, lease_ms)
+    beat.add(name, key, task_id, policy.lease_ms)
     beat.hand_over(key, task_id, lambda: ref() is None or not _offered(handed))
     return True
 
@@ -105,36 +106,42 @@ def hand(request: Any, fields: dict[str, Any], name: str, key: str, dedup: Any,
 def _reap() -> None:
     """Close the offers a pool process took, and end those whose request Celery let go
     while still offered (a body that never reached its claim)."""
-    for task_id, (handed, _, _, _, ref) in list(_offers.items()):
+    for task_id, (handed, *_, ref) in list(_offers.items()):
         if _state(handed) != _OFFERED or ref() is None:
             end(task_id)
 
 
-def end(task_id: str | None, *, release: bool = True) -> None:
+def end(task_id: str | None, *, release: bool = True, requeued: bool = False) -> None:
     """The request of ``task_id`` ended, was revoked, or will not run here (main process):
     close its offer; a claim no pool process took is released (``release``), else left to
-    the caller, who releases it. Never raises."""
+    the caller, who releases it. ``requeued``: the message goes back to the broker (the
+    consumer stops), so the lock goes back to ``queued`` by its id, as it was before the
+    claim (SPEC §5: the requeued message runs at once; a duplicate meanwhile is still one).
+    Never raises."""
     entry = _offers.pop(task_id, None) if task_id else None
     if entry is None:
         return
-    handed, name, key, dedup, _ = entry
+    handed, name, key, dedup, policy, _ = entry
     try:
         withdrawn = _close(handed)
-        if withdrawn and release:
+        if withdrawn and requeued and policy.mode.gates_enqueue:
+            dedup.stop_heartbeat(key, task_id)
+            dedup.store.reserve(key, task_id, policy.ttl_ms)  # its own running -> queued
+        elif withdrawn and release:
             dedup.release(name, key, task_id, reason="stopped")  # its renewals stop too
         else:  # taken (the pool process renews and settles it), released by the caller, or
             # a broken table that cannot tell: the lease lapses unless a body renews it
             dedup.heartbeat().remove(key, task_id)
-    except Exception:
-        logger.debug("taskdedup: the claim handed over for %s could not be closed", task_id,
-                     exc_info=True)
+    except Exception as exc:  # the lock lapses within its lease
+        logger.warning("taskdedup: the claim carried for %s[%s] could not be given back (%s): "
+                       "it lapses within its lease", name, task_id, exc)
 
 
 def end_all() -> None:
     """Close every offer (the main process's consumer stops: what was not taken will not run
-    here; its message goes back to the broker)."""
+    here; its message goes back to the broker, its lock back to ``queued``)."""
     for task_id in list(_offers):
-        end(task_id)
+        end(task_id, requeued=True)
 
 
 def pop_field(request: Any) -> Any:
