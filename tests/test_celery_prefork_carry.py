@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import json
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,8 +18,8 @@ import redis
 
 from taskdedup.testing import wait_for
 from tests.effects import recorded, released
-from tests.test_celery_solo import Monitor
-from tests.workers import CeleryWorker
+from tests.test_celery_solo import Monitor, label
+from tests.workers import CeleryWorker, celery_test_app, staging
 
 pytestmark = pytest.mark.slow
 
@@ -35,22 +34,12 @@ def worker(redis_url: str) -> Iterator[CeleryWorker]:
 
 @pytest.fixture(scope="module")
 def capp(redis_url: str, worker: CeleryWorker) -> Any:
-    from tests import celery_app
-
-    celery_app.configure(redis_url, worker.queue)
-    return celery_app
+    return celery_test_app(redis_url, worker.queue)
 
 
 @pytest.fixture
 def rc(redis_url: str) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(redis_url)
-    client.delete(STAGE)
-    yield client
-    client.delete(STAGE)
-
-
-def label() -> str:
-    return uuid.uuid4().hex[:12]
+    yield from staging(redis_url, STAGE)
 
 
 def staged(capp: Any, rc: redis.Redis, task: Any, *args: Any) -> tuple[str, str]:

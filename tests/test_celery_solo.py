@@ -19,7 +19,7 @@ import redis
 
 from taskdedup.testing import wait_for
 from tests.effects import recorded, released
-from tests.workers import CeleryWorker, stored_result
+from tests.workers import CeleryWorker, celery_test_app, staging, stored_result
 
 pytestmark = pytest.mark.slow
 
@@ -34,18 +34,12 @@ def worker(redis_url: str) -> Iterator[CeleryWorker]:
 
 @pytest.fixture(scope="module")
 def capp(redis_url: str, worker: CeleryWorker) -> Any:
-    from tests import celery_app
-
-    celery_app.configure(redis_url, worker.queue)
-    return celery_app
+    return celery_test_app(redis_url, worker.queue)
 
 
 @pytest.fixture
 def rc(redis_url: str) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(redis_url)
-    client.delete(STAGE)
-    yield client
-    client.delete(STAGE)
+    yield from staging(redis_url, STAGE)
 
 
 def label() -> str:

@@ -236,3 +236,22 @@ def stored_result(app: Any, task_id: str, worker: WorkerProcess, timeout: float 
         result = seen.get("result")
         raise result if isinstance(result, BaseException) else AssertionError(seen)
     return seen.get("result")
+
+
+def staging(redis_url: str, stage: str) -> Iterator[redis.Redis]:
+    """A client for a test that publishes to ``stage`` (a queue no worker reads) and then
+    moves it to a worker's queue: the stage is empty before and after (a fixture's body:
+    ``yield from staging(redis_url, STAGE)``)."""
+    client = redis.Redis.from_url(redis_url)
+    client.delete(stage)
+    yield client
+    client.delete(stage)
+
+
+def celery_test_app(redis_url: str, queue: str) -> Any:
+    """``tests.celery_app`` in the test process, pointed at the test server and at a worker's
+    queue (:func:`tests.celery_app.configure`)."""
+    from tests import celery_app
+
+    celery_app.configure(redis_url, queue)
+    return celery_app
