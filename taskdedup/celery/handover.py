@@ -48,7 +48,7 @@ SLOTS: Final = 4096
 LOCK_TIMEOUT: Final = 1.0
 """Seconds a process waits for the table's lock before it calls the table broken."""
 
-_FREE, _OFFERED, _TAKEN, _WITHDRAWN = 0, 1, 2, 3
+_FREE, _OFFERED, _TAKEN = 0, 1, 2  # a withdrawn offer is freed at once
 _ID_BYTES: Final = 102
 _SLOT: Final = struct.Struct(f"<QB16sB{_ID_BYTES}s")  # generation, state, key digest, id: 128
 _HEADER: Final = 128  # byte 0: broken (the lock was not released in time)
