@@ -2,12 +2,13 @@
 value in use, in one run.
 
 * **Per task**: the worker's guard of one execution, as a worker runs it (the claim, then the
-  completion: ``Deduplicator.start`` / ``finish``), without a limit, with a ``Concurrency``
-  (``limits.admit`` then ``limits.release``: two more round trips, the slot's acquire and
-  release scripts) and with a ``Concurrency`` and a ``Rate`` (one more: the rate script).
-  The variants run interleaved, and each one's throughput is divided by the no-limit
-  variant's of the same run. Every call has its own key value (a tenant per call), as many
-  tenants would, so no call is ever refused and nothing waits.
+  completion sent at once with its reply read later: ``Deduplicator.start`` /
+  ``finish(later=True)``), without a limit, with a ``Concurrency`` (``limits.admit`` then
+  ``limits.release``: the slot's acquire script, one more round trip waited for, and its
+  release, sent at once like the completion) and with a ``Concurrency`` and a ``Rate`` (one
+  more: the rate script). The variants run interleaved, and each one's throughput is divided
+  by the no-limit variant's of the same run. Every call has its own key value (a tenant per
+  call), as many tenants would, so no call is ever refused and nothing waits.
 * **Memory**: ``keys`` key values each holding one slot and one start in a window
   (``MEMORY USAGE`` of the sets, summed, per key value), as while their bodies run.
 """
@@ -64,7 +65,7 @@ def limits(ctx: Context) -> list[Row]:
                         admitted = lim.admit(dedup, NAME, chosen, (tenant,), {}, owner,
                                              policy.lease_ms)
                         lim.release(dedup, admitted.slots)
-                    dedup.finish(NAME, policy, key, owner, success=True)
+                    dedup.finish(NAME, policy, key, owner, success=True, later=True)
 
             return rate(body, n)
 

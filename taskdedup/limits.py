@@ -340,18 +340,31 @@ def admit(dedup: Deduplicator, task: str, limits: Sequence[Limit], args: Sequenc
 
 def release(dedup: Deduplicator, slots: Iterable[tuple[str, str]]) -> None:
     """Give back the concurrency slots of an execution whose body has ended (its rate
-    starts stay: they happened). Never raises; a slot not given back lapses in a lease."""
+    starts stay: they happened). Sent at once and its reply read later where the store can
+    (``slot_release_later``, like a worker's completion): the slot is free when the server
+    reads it, and the worker's next task does not wait for the reply. Never raises; a slot
+    not given back lapses in a lease."""
     beats = _slot_heartbeat(dedup)
     store = _store(dedup)
+    later = getattr(store, "slot_release_later", None)
     for key, holder in slots:
         if not _is_slot(key):
             continue  # a rate's start: it counts for its window
         beats.remove(key, holder)
         try:
-            store.slot_release(key, holder)
-        except Exception as exc:  # it lapses within its lease
-            logger.warning("taskdedup: could not give back a concurrency slot (%s); it frees "
-                           "itself within the lease", exc)
+            if later is not None and later(key, holder, _not_given_back):
+                beats.settle_soon(store)  # its reply read soon, if no claim here reads it
+            else:
+                store.slot_release(key, holder)
+        except Exception as exc:
+            _not_given_back(exc)
+
+
+def _not_given_back(outcome: Any) -> None:
+    """The reply of a slot's release: only an error is worth a word."""
+    if isinstance(outcome, Exception):  # it lapses within its lease
+        logger.warning("taskdedup: could not give back a concurrency slot (%s); it frees "
+                       "itself within the lease", outcome)
 
 
 def _give_back(store: LimitStore, taken: Iterable[tuple[str, str]]) -> None:

@@ -21,6 +21,7 @@ from taskdedup.exceptions import ConfigurationError
 from taskdedup.limits import Concurrency, Rate
 from taskdedup.stores import MemoryStore, RedisStore
 from taskdedup.stores.base import Outcome
+from taskdedup.testing import wait_for
 
 
 class Clock:
@@ -168,8 +169,9 @@ def test_admit_takes_all_or_gives_back_and_reports(redis_client: redis.Redis) ->
     stats = limits.read_limits(redis_client, "lu")
     assert stats["t"].slots_in_use == 1
     assert (Event.LIMITED, "rate") in seen
-    limits.release(dedup, first.slots)
-    assert limits.read_limits(redis_client, "lu") == {}
+    limits.release(dedup, first.slots)  # sent at once, its reply read later
+    wait_for(lambda: limits.read_limits(redis_client, "lu") == {}, timeout=5,
+             what="the slot given back")
     assert redis_client.zcard(first.slots[1][0]) == 1  # its start still counts
 
 
@@ -196,6 +198,49 @@ def test_a_full_concurrency_limit_drops_when_declared_so() -> None:
     assert held.ok and refused.dropped and isinstance(refused.limit, Concurrency)
     limits.release(dedup, held.slots)
     assert limits.admit(dedup, "t", declared, (), {}, "c", 1000).ok
+
+
+def _held_slot(dedup: Deduplicator, call: str) -> tuple[str, str]:
+    declared = limits.coerce_limits([Concurrency(1)], "t")
+    held = limits.admit(dedup, "t", declared, (), {}, call, 5000)
+    assert held.ok
+    return held.slots[0]
+
+
+def test_a_slot_is_given_back_without_waiting_for_the_reply(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    """Like a worker's completion, the release goes out at once and its reply is read later:
+    a server that answers late (here: paused for writes and scripts) holds up no task."""
+    store = RedisStore.from_url(redis_url)
+    dedup = Deduplicator(store, prefix="lu-later")
+    limits.release(dedup, [_held_slot(dedup, "warm")])  # its script loaded
+    key, holder = _held_slot(dedup, "one")
+    redis_client.execute_command("CLIENT", "PAUSE", 3000, "WRITE")
+    try:
+        started = time.monotonic()
+        limits.release(dedup, [(key, holder)])
+        took = time.monotonic() - started
+    finally:
+        redis_client.execute_command("CLIENT", "UNPAUSE")
+    assert took < 1.5, f"the release waited {took:.2f} s for a paused server"
+    wait_for(lambda: redis_client.zscore(key, holder) is None, timeout=5,
+             what="the slot given back once the server reads the command")
+    wait_for(lambda: not store.settle(older_than=60.0), timeout=5,
+             what="its reply read by the heartbeat thread")
+
+
+def test_a_flushed_script_cache_still_gives_the_slot_back(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    store = RedisStore.from_url(redis_url)
+    dedup = Deduplicator(store, prefix="lu-later")
+    limits.release(dedup, [_held_slot(dedup, "warm")])  # limit_release.lua loaded
+    key, holder = _held_slot(dedup, "one")
+    redis_client.script_flush()
+    limits.release(dedup, [(key, holder)])  # NOSCRIPT: made again with EVAL when read
+    wait_for(lambda: redis_client.zscore(key, holder) is None, timeout=5,
+             what="the slot given back by the release made again")
 
 
 def test_heartbeat_keeps_a_slot_past_its_lease(redis_client: redis.Redis) -> None:

@@ -278,7 +278,7 @@ class RedisStore:
         # How reserve_many takes a pooled connection for its raw exchange (None: a pipeline).
         self._take_connection = raw_exchange(client)
         # Completions sent at once whose replies are read later (complete_later).
-        self._complete_loaded = False  # the server has complete.lua (complete_later)
+        self._loaded: set[str] = set()  # scripts sent on trails that the server has
         self._trails = None if self._take_connection is None else Trails(
             self._take_connection, self._give_back, _pack, self._redo)
         # Whether the worker's claim and completion go as one SET IFEQ (:mod:`.cas`): None
@@ -426,8 +426,7 @@ class RedisStore:
                 raise self._unavailable(f"{command[0]} {command[1]!r}", exc) from exc
         _, sha, _, key, *args = command
         name = next(name for name, s in self._scripts.items() if s.sha == sha)
-        if name == "complete":
-            self._complete_loaded = False  # NOSCRIPT, or a new connection: load it first
+        self._loaded.discard(name)  # NOSCRIPT, or a new connection: load it first
         return self._eval(self._scripts[name], name, key, *args)
 
     def _eval_window(self, script: Script, action: str, key: str, window: Probe | None,
@@ -729,16 +728,6 @@ class RedisStore:
                 on_outcome(outcome)
 
             return self._trails.send(command, swapped) is not None
-        if not self._complete_loaded:  # else the first one would be NOSCRIPT, done at settle
-            try:
-                self.client.script_load(self._complete.script)
-            except (NoPermissionError, ResponseError):  # a user without SCRIPT LOAD
-                trails, self._trails = self._trails, None  # completions wait, as before
-                trails.settle()
-                return False
-            except RedisError:
-                return False
-            self._complete_loaded = True
         args: tuple[Any, ...] = (stored, ttl_ms, finished_ms) if finished_ms else (stored, ttl_ms)
 
         def outcome(reply: Any) -> None:
@@ -746,8 +735,47 @@ class RedisStore:
                 reply = self._unavailable(f"complete {key!r}", reply)
             on_outcome(reply if isinstance(reply, Exception) else _OUTCOMES[reply])
 
-        return self._trails.send(("EVALSHA", self._complete.sha, 1, key, *args),
-                                 outcome) is not None
+        return self._eval_later("complete", key, args, outcome)
+
+    def slot_release_later(self, key: str, holder: str,
+                           on_outcome: Callable[[Any], None]) -> bool:
+        """:meth:`slot_release`, sent at once, its reply read later (:mod:`.trail`), as a
+        completion is: the slot is free as soon as the server reads the command, and the
+        worker's next task does not wait a round trip for the reply. ``on_outcome`` gets the
+        :class:`Outcome`, or the :class:`StoreUnavailableError`. False: nothing was sent;
+        call :meth:`slot_release`."""
+        check_owner(holder)
+        if self._trails is None:
+            return False
+
+        def outcome(reply: Any) -> None:
+            if isinstance(reply, RedisError):
+                reply = self._unavailable(f"give back the slot of {key!r}", reply)
+            on_outcome(reply if isinstance(reply, Exception) else _OUTCOMES[reply])
+
+        return self._eval_later("limit_release", key, (holder,), outcome)
+
+    def _eval_later(self, name: str, key: str, args: tuple[Any, ...],
+                    on_reply: Callable[[Any], None]) -> bool:
+        """``EVALSHA`` of script ``name`` sent on this thread's trail, its reply (or the
+        error of its redo) to ``on_reply`` when read; False when nothing was sent. The script
+        is loaded first, once (else the first would be NOSCRIPT, made again only at settle).
+        """
+        trails = self._trails
+        if trails is None:
+            return False
+        script = self._scripts[name]
+        if name not in self._loaded:
+            try:
+                self.client.script_load(script.script)
+            except (NoPermissionError, ResponseError):  # a user without SCRIPT LOAD
+                self._trails = None  # replies are waited for, as before
+                trails.settle()
+                return False
+            except RedisError:
+                return False
+            self._loaded.add(name)
+        return trails.send(("EVALSHA", script.sha, 1, key, *args), on_reply) is not None
 
     def settle(self, older_than: float | None = None) -> bool:
         """Read the replies :meth:`complete_later` left unread (all of them, or those older
