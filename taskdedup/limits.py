@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, Final, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Final, Protocol, cast, runtime_checkable
 
 from .core import Heartbeat
 from .events import Event, logger
@@ -289,13 +289,20 @@ class Admission:
     dropped: bool = False
 
 
+_HAS_SLOTS: dict[type, bool] = {}  # store class -> whether it is a LimitStore
+
+
 def _store(dedup: Deduplicator) -> LimitStore:
     store = dedup.store
-    if not isinstance(store, LimitStore):
+    kind = type(store)
+    has = _HAS_SLOTS.get(kind)
+    if has is None:  # a runtime Protocol check costs ~5 us: once per class, not per call
+        has = _HAS_SLOTS[kind] = isinstance(store, LimitStore)
+    if not has:
         raise ConfigurationError(
             f"limits need a store with slots (RedisStore or MemoryStore); "
             f"{type(store).__name__} has none")
-    return store
+    return cast("LimitStore", store)
 
 
 def admit(dedup: Deduplicator, task: str, limits: Sequence[Limit], args: Sequence[Any],
@@ -353,7 +360,9 @@ def release(dedup: Deduplicator, slots: Iterable[tuple[str, str]]) -> None:
         beats.remove(key, holder)
         try:
             if later is not None and later(key, holder, _not_given_back):
-                beats.settle_soon(store)  # its reply read soon, if no claim here reads it
+                # its reply read soon if no claim here reads it: by the thread that reads the
+                # completions' (on the same connection), not a wake-up of the slots' own
+                dedup.heartbeat().settle_soon(store)
             else:
                 store.slot_release(key, holder)
         except Exception as exc:
