@@ -243,6 +243,22 @@ def test_a_flushed_script_cache_still_gives_the_slot_back(
              what="the slot given back by the release made again")
 
 
+def test_a_slot_taken_behind_a_release_on_a_broken_connection_is_taken_once(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    """A slot is taken on the connection its thread's releases went out on, behind them (so
+    a slot just given back is free for it); a connection that broke before the replies were
+    read has both made again: the release frees, the acquire takes one slot."""
+    store = RedisStore.from_url(redis_url)
+    dedup = Deduplicator(store, prefix="lu-behind")
+    warm_key, warm_holder = _held_slot(dedup, "warm")
+    limits.release(dedup, [(warm_key, warm_holder)])  # its reply owed on this thread's trail
+    redis_client.client_kill_filter(_type="normal", skipme=True)
+    key, holder = _held_slot(dedup, "one")  # Concurrency(1): the slot given back is free
+    assert key == warm_key
+    assert redis_client.zrange(key, 0, -1) == [holder.encode()]
+
+
 def test_heartbeat_keeps_a_slot_past_its_lease(redis_client: redis.Redis) -> None:
     dedup = Deduplicator(RedisStore(redis_client), prefix="lu")
     declared = limits.coerce_limits([Concurrency(1)], "t")

@@ -735,7 +735,7 @@ class RedisStore:
                 reply = self._unavailable(f"complete {key!r}", reply)
             on_outcome(reply if isinstance(reply, Exception) else _OUTCOMES[reply])
 
-        return self._eval_later("complete", key, args, outcome)
+        return self._eval_later("complete", key, args, outcome) is not None
 
     def slot_release_later(self, key: str, holder: str,
                            on_outcome: Callable[[Any], None]) -> bool:
@@ -753,17 +753,17 @@ class RedisStore:
                 reply = self._unavailable(f"give back the slot of {key!r}", reply)
             on_outcome(reply if isinstance(reply, Exception) else _OUTCOMES[reply])
 
-        return self._eval_later("limit_release", key, (holder,), outcome)
+        return self._eval_later("limit_release", key, (holder,), outcome) is not None
 
     def _eval_later(self, name: str, key: str, args: tuple[Any, ...],
-                    on_reply: Callable[[Any], None]) -> bool:
+                    on_reply: Callable[[Any], None]) -> Any:
         """``EVALSHA`` of script ``name`` sent on this thread's trail, its reply (or the
-        error of its redo) to ``on_reply`` when read; False when nothing was sent. The script
-        is loaded first, once (else the first would be NOSCRIPT, made again only at settle).
-        """
+        error of its redo) to ``on_reply`` when read: the trail, or None when nothing was
+        sent. The script is loaded first, once (else the first would be NOSCRIPT, made again
+        only at settle)."""
         trails = self._trails
         if trails is None:
-            return False
+            return None
         script = self._scripts[name]
         if name not in self._loaded:
             try:
@@ -771,11 +771,29 @@ class RedisStore:
             except (NoPermissionError, ResponseError):  # a user without SCRIPT LOAD
                 self._trails = None  # replies are waited for, as before
                 trails.settle()
-                return False
+                return None
             except RedisError:
-                return False
+                return None
             self._loaded.add(name)
-        return trails.send(("EVALSHA", script.sha, 1, key, *args), on_reply) is not None
+        return trails.send(("EVALSHA", script.sha, 1, key, *args), on_reply)
+
+    def _eval_behind(self, name: str, action: str, key: str, *args: str | int) -> Any:
+        """:meth:`_eval` of script ``name``, sent on this thread's trail behind the
+        commands it went out with before (the server runs them first: a slot given back
+        is free for this thread's next acquire) and read with their replies. Only for a
+        script that is idempotent for its arguments: a connection that breaks before the
+        reply is read has it made again."""
+        got: list[Any] = []
+        trail = self._eval_later(name, key, args, got.append)
+        if trail is None:
+            return self._eval(self._scripts[name], action, key, *args)
+        self._trails.settle_trail(trail)  # type: ignore[union-attr]
+        reply = got[0]
+        if isinstance(reply, RedisError):
+            raise self._unavailable(f"{action} {key!r}", reply) from reply
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
 
     def settle(self, older_than: float | None = None) -> bool:
         """Read the replies :meth:`complete_later` left unread (all of them, or those older
@@ -803,8 +821,8 @@ class RedisStore:
         or ``(False, ms until the earliest holder's lease ends)``."""
         check_owner(holder)
         check_ms("lease_ms", lease_ms)
-        taken, figure = self._eval(self._scripts["limit_acquire"], "take a slot of", key,
-                                   holder, limit, lease_ms)
+        taken, figure = self._eval_behind("limit_acquire", "take a slot of", key, holder,
+                                          limit, lease_ms)
         return bool(taken), int(figure)
 
     def slot_heartbeat(self, key: str, holder: str, lease_ms: int) -> Outcome:
