@@ -360,9 +360,9 @@ def release(dedup: Deduplicator, slots: Iterable[tuple[str, str]]) -> None:
         beats.remove(key, holder)
         try:
             if later is not None and later(key, holder, _not_given_back):
-                # its reply read soon if no claim here reads it: by the thread that reads the
-                # completions' (on the same connection), not a wake-up of the slots' own
-                dedup.heartbeat().settle_soon(store)
+                # its reply read soon if no claim here reads it, by the slots' heartbeat
+                # thread: running since the slot was taken (an RQ work-horse starts no other)
+                beats.settle_soon(store)
             else:
                 store.slot_release(key, holder)
         except Exception as exc:
