@@ -784,10 +784,11 @@ class RedisStore:
         script that is idempotent for its arguments: a connection that breaks before the
         reply is read has it made again."""
         got: list[Any] = []
-        trail = self._eval_later(name, key, args, got.append)
-        if trail is None:
+        trails = self._trails  # the trail belongs to it, whatever this store turns to meanwhile
+        trail = None if trails is None else self._eval_later(name, key, args, got.append)
+        if trails is None or trail is None:
             return self._eval(self._scripts[name], action, key, *args)
-        self._trails.settle_trail(trail)  # type: ignore[union-attr]
+        trails.settle_trail(trail)
         reply = got[0]
         if isinstance(reply, RedisError):
             raise self._unavailable(f"{action} {key!r}", reply) from reply
