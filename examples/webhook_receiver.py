@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -128,8 +129,15 @@ def main() -> int:
         return 0 if ok and len(booked) == 1 else 1
     finally:
         httpd.shutdown()
-        worker.terminate()
-        worker.wait(timeout=30)
+        worker.terminate()  # a warm shutdown: RQ lets a running job finish
+        try:
+            worker.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            # still running: stop it, and say where it was (with PYTHONFAULTHANDLER=1, as the
+            # test suite runs this file, SIGABRT prints every thread's stack first)
+            worker.send_signal(signal.SIGABRT)
+            worker.wait(timeout=30)
+            raise
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -66,13 +67,28 @@ def project_env(redis_url: str) -> Iterator[dict[str, str]]:
 
 
 def manage(env: dict[str, str], *args: str, timeout: float = 60.0) -> str:
-    """``python manage.py <args>`` in the project's directory; its stdout (it must exit 0)."""
-    done = subprocess.run(
-        [sys.executable, "manage.py", *args], cwd=PROJECT, env=env, capture_output=True,
-        text=True, timeout=timeout, stdin=subprocess.DEVNULL,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout
+    """``python manage.py <args>`` in the project's directory; its stdout (it must exit 0).
+
+    One still running at ``timeout`` is sent SIGABRT: with PYTHONFAULTHANDLER it prints every
+    thread's stack to its stderr, which the failure shows."""
+    with subprocess.Popen(
+        [sys.executable, "manage.py", *args], cwd=PROJECT,
+        env={**env, "PYTHONFAULTHANDLER": "1"}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+    ) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.send_signal(signal.SIGABRT)
+            try:
+                stdout, stderr = process.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                stdout, stderr = process.communicate()
+            raise AssertionError(f"manage.py {' '.join(args)} still running after {timeout} s "
+                                 f"(sent SIGABRT):\n{stdout}{stderr}") from None
+    assert process.returncode == 0, stdout + stderr
+    return stdout
 
 
 def shell(env: dict[str, str], code: str) -> object:

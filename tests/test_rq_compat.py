@@ -271,3 +271,36 @@ def test_a_worker_refuses_to_start_on_an_rq_whose_hooks_it_does_not_know(
     monkeypatch.setattr(Worker, "perform_job", perform_job)
     with pytest.raises(ConfigurationError, match="perform_job"):
         DedupWorker([f"rq-compat-{label()}"], connection=rc)
+
+
+def test_worker_stops_its_pubsub_thread_when_the_unsubscribe_reply_is_read_first(
+        redis_url: str) -> None:
+    """RQ 3.0 sends UNSUBSCRIBE, then stops its pub/sub thread. Here the thread reads the
+    reply first, every time: on redis-py 8.2 it then waited 60 s in its next get_message and
+    ``stop()`` joined it without a limit (the worker took a minute to exit); on 8.1 it was
+    left running. DedupWorker tells the thread to stop before the UNSUBSCRIBE goes out."""
+    client = redis.Redis.from_url(redis_url)
+    worker = DedupWorker([Queue(f"exit-{label()}", connection=client)], connection=client)
+    worker.subscribe()
+    thread = worker.pubsub_thread
+    assert thread is not None
+    pubsub = worker.pubsub
+    wait_for(lambda: pubsub.subscribed, timeout=5)
+    unsubscribe = pubsub.unsubscribe
+
+    def reply_read_first(*args: Any) -> Any:
+        sent = unsubscribe(*args)
+        wait_for(lambda: not pubsub.subscribed, timeout=5)  # the thread has read the reply
+        return sent
+
+    pubsub.unsubscribe = reply_read_first  # type: ignore[method-assign]
+    ended = threading.Event()
+    stopper = threading.Thread(target=lambda: (worker.unsubscribe(), ended.set()), daemon=True)
+    stopper.start()
+    try:
+        assert ended.wait(5), "the worker's unsubscribe still waits for its pub/sub thread"
+        thread.join(5)
+        assert not thread.is_alive()
+    finally:
+        pubsub.close()
+        client.close()

@@ -18,12 +18,18 @@ Feature detection only (no version strings):
   queue is declared, against a client that refuses anything sent outside the pipeline. Where
   that fails (RQ 2.x schedules its registry entry outside the pipeline), the path is reported
   in one INFO line and reserves in its own round trip, then enqueues with RQ's own code.
+- RQ 3.0 stops its pub/sub thread after its UNSUBSCRIBE; redis-py 8.2's ``stop()`` waits for
+  that thread without a limit, and a thread that read the reply first waits 60 s in its next
+  ``get_message``: :func:`quiet_pubsub_thread` clears the thread's run flag first (redis-py's
+  private ``_running``, an Event in 8.1 and 8.2), else bounds ``stop()`` (public).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -46,8 +52,8 @@ __all__ = [
     "DEAD_STATUSES", "NOT_STARTED", "CaptureRefused", "DuplicateJobError", "FusedSupport",
     "Unchecked", "capture_enqueue", "cleanup_execution", "execution_args", "execution_kwargs",
     "fused_support", "has_dependencies", "has_rate_limit", "is_async", "is_job_id",
-    "mark_finished", "missing_worker_hooks", "parse_enqueue_args", "requeue", "save_success",
-    "say_public_path", "stopped_job_id",
+    "mark_finished", "missing_worker_hooks", "parse_enqueue_args", "quiet_pubsub_thread",
+    "requeue", "save_success", "say_public_path", "stopped_job_id",
 ]
 
 
@@ -79,6 +85,24 @@ NOT_STARTED: Final = _statuses(
     "CREATED", "QUEUED", "SCHEDULED", "DEFERRED", "READY_TO_ENQUEUE", "RATE_LIMITED"
 )
 """Statuses of a job that has not started (RQ 3.0 adds the last two)."""
+
+
+def quiet_pubsub_thread(thread: Any) -> None:
+    """Tell RQ's pub/sub thread (redis-py's ``PubSubWorkerThread``) to stop before RQ's
+    ``unsubscribe`` sends UNSUBSCRIBE, so the reply that wakes it also ends it.
+
+    RQ 3.0 unsubscribes, then calls ``stop()``, then joins for 1 s. A thread that read the
+    reply before ``stop()`` waits in its next ``get_message(timeout=60)``; redis-py 8.2's
+    ``stop()`` joins it without a limit, so the worker took 60 s to exit. Without the flag
+    (another redis-py), ``stop()`` is bounded instead: RQ's own 1 s join, as before 8.2.
+    """
+    running = getattr(thread, "_running", None)
+    if isinstance(running, threading.Event):
+        running.clear()
+        return
+    stop = getattr(thread, "stop", None)
+    if stop is not None and "timeout" in inspect.signature(stop).parameters:
+        thread.stop = functools.partial(stop, timeout=0)
 
 
 def is_job_id(value: str) -> bool:

@@ -141,6 +141,14 @@ class DedupWorker(Worker):
         super().bootstrap(*args, **kwargs)
         log_to_worker()
 
+    def unsubscribe(self) -> None:
+        """RQ's, with its pub/sub thread told to stop first: a worker on redis-py 8.2 could
+        take 60 s to exit otherwise (:func:`~taskdedup.rq._compat.quiet_pubsub_thread`)."""
+        thread = getattr(self, "pubsub_thread", None)
+        if thread is not None:
+            _compat.quiet_pubsub_thread(thread)
+        super().unsubscribe()  # type: ignore[no-untyped-call]
+
     def perform_job(self, job: Job, queue: Queue, execution: Execution | None = None) -> bool:
         """Claim the lock (in the work-horse), then run the job as RQ does; skip duplicates."""
         try:
