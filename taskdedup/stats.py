@@ -28,6 +28,8 @@ the parent's pending deltas stay the parent's to flush.
 from __future__ import annotations
 
 import atexit
+import bisect
+import functools
 import json
 import os
 import re
@@ -87,6 +89,7 @@ _SKIPPED_STATES: Final = {"Q": "queued", "R": "running", "D": "done", "F": "fini
 _GATE_FIELDS: Final = tuple(f"gate:le_{bound}ms" for bound in GATE_BUCKETS_MS)
 _GATE_BOUNDS_US: Final = tuple(bound * 1000 for bound in GATE_BUCKETS_MS)
 _INTEGER: Final = re.compile(rb"-?[0-9]{1,19}")
+_FOLD_AT: Final = 256  # events kept before they are counted (bounded memory between flushes)
 
 
 def stats_key(prefix: str, task: str) -> str:
@@ -96,23 +99,38 @@ def stats_key(prefix: str, task: str) -> str:
 
 def event_fields(event: DedupEvent) -> list[tuple[str, int]]:
     """The ``(field, increment)`` pairs one event adds to its task's hash."""
-    name = event.event.value
-    fields = [(name, 1)]
-    detail = event.detail
+    micros = _micros(event.seconds)
+    fields = [(name, 1) for name in _names(event.event, event.detail, _bucket(micros))]
+    if micros >= 0:
+        fields.append(("gate:sum_us", micros))
+    return fields
+
+
+def _micros(seconds: float | None) -> int:
+    """Gate latency in microseconds, or -1 when the event carries none."""
+    return round(seconds * 1_000_000) if seconds is not None and seconds >= 0 else -1
+
+
+def _bucket(micros: int) -> int:
+    """The first gate bucket ``micros`` falls in (len: above all; -1: no latency)."""
+    return bisect.bisect_left(_GATE_BOUNDS_US, micros) if micros >= 0 else -1
+
+
+@functools.lru_cache(maxsize=1024)
+def _names(event: Event, detail: str | None, bucket: int) -> tuple[str, ...]:
+    """The fields an event adds 1 to (the gate's sum aside): the event, its detail, and
+    for a measured one (``bucket`` ≥ 0) the gate count and the cumulative buckets."""
+    name = event.value
+    names = [name]
     if detail:
-        if event.event is Event.SKIPPED:
+        if event is Event.SKIPPED:
             detail = _SKIPPED_STATES.get(detail, detail)
         if _DETAIL.fullmatch(detail):
-            fields.append((f"{name}:{detail}", 1))
-    seconds = event.seconds
-    if seconds is not None and seconds >= 0:
-        micros = round(seconds * 1_000_000)
-        fields.append(("gate:count", 1))
-        fields.append(("gate:sum_us", micros))
-        for bound, bucket in zip(_GATE_BOUNDS_US, _GATE_FIELDS, strict=True):
-            if micros <= bound:
-                fields.append((bucket, 1))
-    return fields
+            names.append(f"{name}:{detail}")
+    if bucket >= 0:
+        names.append("gate:count")
+        names.extend(_GATE_FIELDS[bucket:])
+    return tuple(names)
 
 
 # Every live recorder, for the fork and exit hooks (weak: a dropped recorder just goes away).
@@ -158,6 +176,7 @@ class StatsRecorder:
         self._lock = threading.Lock()
         self._flush_lock = threading.Lock()
         self._pending: dict[str, Counter[str]] = {}
+        self._raw: list[DedupEvent] = []  # events not counted yet (_fold)
         self._pid = pid()
         self._thread: threading.Thread | None = None
         self._wanted = False  # a thread was due while held (hold_threads)
@@ -168,19 +187,47 @@ class StatsRecorder:
     # -- the listener (hot path) ----------------------------------------------------------
 
     def __call__(self, event: DedupEvent) -> None:
-        fields = event_fields(event)
+        # The hot path only keeps the event (immutable); they are counted in batches, by
+        # the flush or every _FOLD_AT events: a publish or a task pays an append, not the
+        # dozen counter updates a measured gate makes.
         with self._lock:
-            counts = self._pending.get(event.task)
-            if counts is None:
-                counts = self._pending[event.task] = Counter()
-            for name, increment in fields:
-                counts[name] += increment
+            raw = self._raw
+            raw.append(event)
+            if len(raw) >= _FOLD_AT:
+                self._fold()
         if self._thread is None or self._pid != pid():
             self._start_thread()
+
+    def _fold(self) -> None:
+        """Count the kept events into the pending deltas (under ``_lock``)."""
+        raw, self._raw = self._raw, []
+        sums: Counter[str] = Counter()
+        kinds: Counter[tuple[str, Event, str | None, int]] = Counter()
+        for event in raw:
+            micros = _micros(event.seconds)
+            if micros >= 0:
+                sums[event.task] += micros
+            kinds[event.task, event.event, event.detail, _bucket(micros)] += 1
+        pending = self._pending
+        for (task, kind, detail, bucket), n in kinds.items():
+            counts = pending.get(task)
+            if counts is None:
+                counts = pending[task] = Counter()
+            for name in _names(kind, detail, bucket):
+                counts[name] += n
+        for task, micros in sums.items():
+            pending[task]["gate:sum_us"] += micros
+
+    def _take(self) -> dict[str, Counter[str]]:
+        """The pending deltas, taken out (under ``_lock``)."""
+        self._fold()
+        batch, self._pending = self._pending, {}
+        return batch
 
     def pending(self) -> dict[str, dict[str, int]]:
         """The deltas not flushed yet, ``{task: {field: n}}`` (a copy)."""
         with self._lock:
+            self._fold()
             return {task: dict(counts) for task, counts in self._pending.items() if counts}
 
     # -- flushing -------------------------------------------------------------------------
@@ -207,7 +254,7 @@ class StatsRecorder:
             self._reset_after_fork()
         with self._flush_lock:
             with self._lock:
-                batch, self._pending = self._pending, {}
+                batch = self._take()
             entries = [
                 (task, name, n) for task, counts in batch.items() for name, n in counts.items() if n
             ]
@@ -375,7 +422,7 @@ def hand_over(limit: int = 32_768) -> bytes | None:
     for recorder in list(_RECORDERS):
         if recorder._pid == pid():
             with recorder._lock:
-                batch, recorder._pending = recorder._pending, {}
+                batch = recorder._take()
             taken.append((recorder, batch))
     entries = [
         [id(recorder), task, name, n]

@@ -125,8 +125,9 @@ class ServerClock:
         assert all("local function window(" in redis_store.SCRIPTS[name]
                    for name in ("reserve", "replace", "claim", "complete", "enqueue"))
         monkeypatch.setattr(redis_store, "SCRIPTS", scripts)
-        monkeypatch.setattr(redis_store, "_ENQUEUE_SHA",
-                            hashlib.sha1(scripts["enqueue"].encode()).hexdigest())
+        sha = hashlib.sha1(scripts["enqueue"].encode()).hexdigest()
+        monkeypatch.setattr(redis_store, "_ENQUEUE_SHA", sha)
+        monkeypatch.setattr(redis_store, "_ENQUEUE_SHA_BYTES", sha.encode())
         monkeypatch.setattr(redis_store, "_offset_ms", 0)
         self.client = client
         seconds, micros = client.time()

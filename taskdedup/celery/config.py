@@ -246,6 +246,7 @@ def use_reliable_fetch(app: Celery, worker: str | None = None) -> bool:
         # the publish path was chosen for kombu's transport: choose again on taskdedup's
         app.__dict__.pop("_taskdedup_fuses", None)
         app.__dict__.pop("_taskdedup_fuses_why", None)
+        app.__dict__.pop("_taskdedup_route", None)
     prefix = conf.get("taskdedup_prefix") or os.environ.get("TASKDEDUP_PREFIX") or DEFAULT_PREFIX
     conf.broker_transport_options = {
         **(conf.broker_transport_options or {}),
@@ -274,8 +275,13 @@ def fused_producer(app: Celery, producer: Any = None) -> AbstractContextManager[
     """
     if producer is not None and isinstance(_compat.transport_of(producer), RedisTransport):
         return nullcontext(producer)
-    transport = app.conf.broker_transport
-    if transport is RedisTransport or transport == TRANSPORT:
+    route: tuple[bool, float | None] | None = app.__dict__.get("_taskdedup_route")
+    if route is None:  # read once per app: a settings lookup costs microseconds per publish
+        transport = app.conf.broker_transport
+        route = app.__dict__["_taskdedup_route"] = (
+            transport is RedisTransport or transport == TRANSPORT,
+            app.conf.get("broker_pool_acquire_timeout"))  # a setting of Celery 5.7 only
+    if route[0]:
         return app.producer_or_acquire(producer)  # type: ignore[no-any-return]
     held: tuple[int, Any] | None = app.__dict__.get("_taskdedup_producers")
     pid = os.getpid()
@@ -286,8 +292,7 @@ def fused_producer(app: Celery, producer: Any = None) -> AbstractContextManager[
         pool = pools.producers[app.connection_for_write(transport=RedisTransport, ssl=tls)]
         pool.limit = app.pool.limit
         held = app.__dict__["_taskdedup_producers"] = (pid, pool)
-    timeout = app.conf.get("broker_pool_acquire_timeout")  # a setting of Celery 5.7 only
-    return held[1].acquire(block=True, timeout=timeout)  # type: ignore[no-any-return]
+    return held[1].acquire(block=True, timeout=route[1])  # type: ignore[no-any-return]
 
 
 KOMBU_VISIBILITY_TIMEOUT = 3600.0

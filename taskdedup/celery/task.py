@@ -185,7 +185,8 @@ class DedupTask(Task):  # type: ignore[misc]
                 args, kwargs, task_id, producer, link, link_error, shadow, **options
             )
             if isinstance(handle, DedupResult) and headers is not None:
-                handle.lock_key = carried_key(headers.get(HEADER), self.name)
+                ours = headers.get(HEADER)  # made below, with this task's key
+                handle.lock_key = ours.get("key") if isinstance(ours, dict) else None
             eager.remember(handle)  # task_always_eager: what a duplicate of it will get
             return handle
 

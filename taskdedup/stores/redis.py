@@ -1263,6 +1263,7 @@ def refused(exc: StoreUnavailableError) -> bool:
 
 
 _ENQUEUE_SHA = hashlib.sha1(SCRIPTS["enqueue"].encode()).hexdigest()
+_ENQUEUE_SHA_BYTES = _ENQUEUE_SHA.encode()
 _RESENT = "="  # enqueue.lua's ARGV[5] for a call sent again
 
 
@@ -1304,7 +1305,8 @@ def reserve_and_run(
     """
     check_owner(owner)
     check_ms("ttl_ms", ttl_ms)
-    check_check(check)
+    if check != "":
+        check_check(check)
     if compact_owners:
         owner = compact_owner(owner)
     if resent:
@@ -1316,20 +1318,23 @@ def reserve_and_run(
     flags = ("1" if replace else "0") + ("1" if fresh else "0") + ("1" if follow_up else "")
     if guard:
         flags = flags.ljust(3, "0") + "1"
+    # Arguments go to redis-py as bytes: its encoder returns bytes as they are, and asks
+    # five questions of any other value (a publish's dozen arguments: microseconds).
+    head = (owner.encode(), b"%d" % ttl_ms, check.encode(), flags.encode(), peek.encode())
     tail: list[Any] = []
     for command in commands:
-        tail.append(len(command))
-        tail.extend(command)
+        tail.append(b"%d" % len(command))
+        tail.extend(part.encode() if type(part) is str else part for part in command)
     for _ in range(_WINDOW_TRIES):
         keys, extra = window_keys(key, window)
         if follow_up:
             keys = [*keys, follow_up]  # coalesce takes no window: KEYS[2]
-        args: list[Any] = [len(keys), *keys, owner, ttl_ms, check, flags, peek,
-                           extra[0] if extra else "", *tail]
+        args: list[Any] = [b"%d" % len(keys), *keys, *head,
+                           extra[0] if extra else b"", *tail]
         try:
             try:
                 reply = client.execute_command(  # type: ignore[no-untyped-call]
-                    "EVALSHA", _ENQUEUE_SHA, *args, **_RAW
+                    "EVALSHA", _ENQUEUE_SHA_BYTES, *args, **_RAW
                 )
             except NoScriptError:
                 reply = client.execute_command(  # type: ignore[no-untyped-call]
