@@ -51,6 +51,7 @@ the consumer starts, and without it the claim goes out on a connection of its ow
 
 from __future__ import annotations
 
+import functools
 import inspect
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -537,25 +538,28 @@ def _append_carrying(qos: Any, append: Callable[[Any, Any], Any], message: Any,
     transaction that is refused as a whole (a command refused as it is queued) is sent again
     without the claim, kombu's commands as kombu wrote them, and claims are no longer carried
     on this channel; the claim then goes out when it is read."""
-    base = type(qos).pipe_or_acquire
-    taken: list[Any] = []
-
-    @contextmanager
-    def pipe_or_acquire(pipe: Any = None, client: Any = None) -> Iterator[Any]:
-        carrier = pipe is None and not taken
-        if carrier and client is None:
-            client = _kept_client(qos.channel)
-        with base(qos, pipe, client) as made:
-            if carrier:
-                taken.append(made)
-                made.execute = _carrier(made, carried, carrying)
-            yield made
-
-    qos.pipe_or_acquire = pipe_or_acquire
+    # a partial of one module-level context manager: a decorated closure per message would
+    # cost a functools.wraps per task
+    qos.pipe_or_acquire = functools.partial(_pipe_carrying, qos, carried, carrying, [])
     try:
         return append(message, delivery_tag)
     finally:
         del qos.pipe_or_acquire
+
+
+@contextmanager
+def _pipe_carrying(qos: Any, carried: Any, carrying: list[bool], taken: list[Any],
+                   pipe: Any = None, client: Any = None) -> Iterator[Any]:
+    """kombu's ``pipe_or_acquire(pipe, client)`` for one :func:`_append_carrying`: the first
+    pipeline it makes (``taken``) carries the claim."""
+    carrier = pipe is None and not taken
+    if carrier and client is None:
+        client = _kept_client(qos.channel)
+    with type(qos).pipe_or_acquire(qos, pipe, client) as made:
+        if carrier:
+            taken.append(made)
+            made.execute = _carrier(made, carried, carrying)
+        yield made
 
 
 def _kept_client(channel: Any) -> Any:

@@ -41,10 +41,21 @@ def claim_command(key: str, owner: str, lease_ms: int, *, reserved: bool = True,
     the reservation holds (an explicit key's), "" for none (unused without a reservation)."""
     if reserved:
         queued = f"Q|{check}|{owner}"
-        return (("SET", key, f"R|{check}|{owner}", "IFEQ", queued, "PX", lease_ms, "GET"),
-                queued.encode())
+        expect = queued.encode()
+        return (("SET", _wire(key), _wire(f"R|{check}|{owner}"), b"IFEQ", _wire(queued, expect),
+                 b"PX", b"%d" % lease_ms, b"GET"), expect)
     # as the script takes an absent lock: no check (nothing reserved one)
-    return ("SET", key, "R||" + owner, "NX", "PX", lease_ms, "GET"), None
+    return ("SET", _wire(key), _wire("R||" + owner), b"NX", b"PX", b"%d" % lease_ms,
+            b"GET"), None
+
+
+def _wire(text: str, encoded: bytes | None = None) -> bytes | str:
+    """``text`` as redis-py sends it, made here where that does not depend on the client's
+    encoding (ASCII): redis-py's encoder returns bytes as they are and asks five questions of
+    a ``str`` (a claim or a completion: eight arguments per task). ``encoded``: already made."""
+    if not text.isascii():
+        return text
+    return encoded if encoded is not None else text.encode()
 
 
 def held_check(found: object, owner: str) -> str | None:
@@ -73,7 +84,9 @@ def complete_command(key: str, owner: str, ttl_ms: int, finished_ms: int, check:
     else:
         return None
     running = f"R|{check}|{owner}"
-    return ("SET", key, value, "IFEQ", running, "PX", px, "GET"), running.encode()
+    expect = running.encode()
+    return ("SET", _wire(key), _wire(value), b"IFEQ", _wire(running, expect), b"PX",
+            b"%d" % px, b"GET"), expect
 
 
 def probe(exchange: Callable[[list[Command]], list[Any]], prefix: str = "taskdedup") -> bool:
