@@ -121,6 +121,28 @@ def test_gate_latency_is_aggregated_as_count_sum_and_cumulative_buckets(
     assert stats.gate_avg_ms == pytest.approx(203.4 / 3)
 
 
+def test_events_kept_between_flushes_are_counted_exactly_across_batches(
+    redis_client: redis.Redis, recorder: StatsRecorder
+) -> None:
+    """The hot path keeps events and counts them in batches (every few hundred, and at a
+    flush): what reaches Redis is what the events say, whatever batch each fell in."""
+    total = 700  # more than two batches
+    for i in range(total):
+        recorder(ev(Event.RESERVED, task=f"app.{i % 2}", seconds=0.0005 if i % 3 else 0.01))
+        recorder(ev(Event.SKIPPED, task="app.0", detail="running"))
+    assert recorder.pending()["app.0"]["skipped:running"] == total  # a copy, counted so far
+    recorder.flush()
+
+    got = fields(redis_client, "app.1")
+    slow = sum(1 for i in range(1, total, 2) if i % 3 == 0)
+    assert got["reserved"] == got["gate:count"] == total // 2
+    assert got["gate:sum_us"] == slow * 10_000 + (total // 2 - slow) * 500
+    assert [got.get(f"gate:le_{b}ms", 0) for b in GATE_BUCKETS_MS] == [
+        total // 2 - slow, total // 2 - slow, total // 2, total // 2, total // 2]
+    assert fields(redis_client, "app.0")["skipped"] == total
+    assert recorder.pending() == {}
+
+
 def test_failed_flush_keeps_the_deltas_logs_a_warning_and_writes_them_later(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
