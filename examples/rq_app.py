@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -31,7 +30,7 @@ def send_welcome_email(user_id: int) -> str:
 
 
 def main() -> int:
-    from taskdedup.testing import RedisServer, wait_for
+    from taskdedup.testing import RedisServer, stop_worker, wait_for
 
     server = None
     if not os.environ.get("TASKDEDUP_URL"):
@@ -66,15 +65,8 @@ def main() -> int:
         print(f"e-mails sent: {len(emails)}")
         return 0 if len(emails) == 1 and len(ids) == 1 else 1
     finally:
-        worker.terminate()  # a warm shutdown: RQ lets a running job finish
-        try:
-            worker.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            # still running: stop it, and say where it was (with PYTHONFAULTHANDLER=1, as the
-            # test suite runs this file, SIGABRT prints every thread's stack first)
-            worker.send_signal(signal.SIGABRT)
-            worker.wait(timeout=30)
-            raise
+        # a warm shutdown (RQ lets a running job finish); one that hangs prints its stacks
+        stop_worker(worker)
         connection.close()
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -89,7 +88,7 @@ def deliver(port: int, key: str, event: dict[str, Any]) -> tuple[int, dict[str, 
 
 
 def main() -> int:
-    from taskdedup.testing import RedisServer, wait_for
+    from taskdedup.testing import RedisServer, stop_worker, wait_for
 
     server = None
     if not os.environ.get("TASKDEDUP_URL"):
@@ -129,15 +128,8 @@ def main() -> int:
         return 0 if ok and len(booked) == 1 else 1
     finally:
         httpd.shutdown()
-        worker.terminate()  # a warm shutdown: RQ lets a running job finish
-        try:
-            worker.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            # still running: stop it, and say where it was (with PYTHONFAULTHANDLER=1, as the
-            # test suite runs this file, SIGABRT prints every thread's stack first)
-            worker.send_signal(signal.SIGABRT)
-            worker.wait(timeout=30)
-            raise
+        # a warm shutdown (RQ lets a running job finish); one that hangs prints its stacks
+        stop_worker(worker)
 
 
 if __name__ == "__main__":

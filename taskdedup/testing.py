@@ -21,7 +21,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import TypeVar
 
-__all__ = ["FakeClock", "RedisServer", "find_server_binary", "free_port", "reset", "wait_for"]
+__all__ = ["FakeClock", "RedisServer", "find_server_binary", "free_port", "reset", "stop_worker",
+           "wait_for"]
 
 T = TypeVar("T")
 
@@ -48,6 +49,24 @@ def wait_for(
         if time.monotonic() > deadline:
             raise TimeoutError(f"condition not met within {timeout}s: {what or condition!r}")
         time.sleep(interval)
+
+
+def stop_worker(process: subprocess.Popen[bytes] | subprocess.Popen[str],
+                timeout: float = 30.0) -> int:
+    """Stop a worker started in a subprocess (``celery worker``, ``rq worker``): SIGTERM, a
+    warm shutdown that lets a running task finish, and its exit code.
+
+    One still running after ``timeout`` seconds is sent SIGABRT: started with
+    ``PYTHONFAULTHANDLER=1`` in its environment, Python prints every thread's stack to its
+    stderr first, so the test's output says where it hung. Then ``TimeoutExpired`` is raised.
+    """
+    process.terminate()
+    try:
+        return process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGABRT)
+        process.wait(timeout=timeout)
+        raise
 
 
 class FakeClock:

@@ -1,13 +1,17 @@
 """The pytest plugin (entry point ``pytest11``), run as users run it: test files in a fresh
 directory, collected by pytest with the plugin loaded from the installed entry point.
 
-Also ``taskdedup.disabled()`` and the eager-mode recipe of docs/how-to/testing.md, run as it
-stands in the page.
+Also ``taskdedup.disabled()``, the eager-mode recipe of docs/how-to/testing.md, run as it
+stands in the page, and ``taskdedup.testing.stop_worker``.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import subprocess
+import sys
 from datetime import timedelta
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -15,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import taskdedup
-from taskdedup.testing import FakeClock
+from taskdedup.testing import FakeClock, stop_worker
 
 pytest_plugins = ["pytester"]
 
@@ -229,3 +233,20 @@ def test_the_fake_clock_takes_numbers_and_timedeltas() -> None:
     assert clock.advance(timedelta(seconds=2)) == 8.5
     with pytest.raises(ValueError):
         clock.advance(float("nan"))
+
+
+def test_stop_worker_says_where_a_worker_that_does_not_stop_hung() -> None:
+    """A process that ignores SIGTERM is sent SIGABRT after the timeout: its stacks are on
+    its stderr (PYTHONFAULTHANDLER) and the caller gets TimeoutExpired; one that stops
+    gives its exit code."""
+    code = ("import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "print('up', flush=True)\ndef parked_here(): time.sleep(60)\nparked_here()")
+    hung = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+    assert hung.stdout is not None and hung.stdout.readline() == b"up\n"
+    with pytest.raises(subprocess.TimeoutExpired):
+        stop_worker(hung, timeout=1)
+    assert hung.returncode == -signal.SIGABRT
+    assert b"parked_here" in hung.stderr.read()  # type: ignore[union-attr]
+    calm = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    assert stop_worker(calm, timeout=10) == -signal.SIGTERM
