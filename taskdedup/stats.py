@@ -108,7 +108,9 @@ def event_fields(event: DedupEvent) -> list[tuple[str, int]]:
 
 def _micros(seconds: float | None) -> int:
     """Gate latency in microseconds, or -1 when the event carries none."""
-    return round(seconds * 1_000_000) if seconds is not None and seconds >= 0 else -1
+    if isinstance(seconds, (int, float)) and seconds >= 0:
+        return round(seconds * 1_000_000)
+    return -1
 
 
 def _bucket(micros: int) -> int:
@@ -204,10 +206,14 @@ class StatsRecorder:
         sums: Counter[str] = Counter()
         kinds: Counter[tuple[str, Event, str | None, int]] = Counter()
         for event in raw:
-            micros = _micros(event.seconds)
+            try:
+                micros = _micros(event.seconds)
+                kinds[event.task, event.event, event.detail, _bucket(micros)] += 1
+            except Exception:  # a malformed event (not one the core emits) is not counted
+                logger.debug("taskdedup: stats left out a malformed event", exc_info=True)
+                continue
             if micros >= 0:
                 sums[event.task] += micros
-            kinds[event.task, event.event, event.detail, _bucket(micros)] += 1
         pending = self._pending
         for (task, kind, detail, bucket), n in kinds.items():
             counts = pending.get(task)

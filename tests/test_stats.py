@@ -404,3 +404,19 @@ def test_read_stats_skips_what_someone_else_wrote_and_keeps_the_counters(
     from taskdedup.stats import read_windows
 
     assert "app.\udcfe" in read_windows(redis_client)
+
+
+def test_a_malformed_event_is_left_out_and_the_others_of_its_batch_are_counted(
+    redis_client: redis.Redis, recorder: StatsRecorder
+) -> None:
+    """Events are counted in batches: one that is not what the core emits (an unhashable
+    detail, a latency that is not a number) must not take its batch down with it."""
+    recorder(ev(Event.CLAIMED))
+    recorder(DedupEvent(Event.SKIPPED, "app.a", "k", "id-2", None,
+                        ["not", "a", "word"]))  # type: ignore[arg-type]
+    recorder(ev(Event.RESERVED, seconds="soon"))  # type: ignore[arg-type]
+    recorder(ev(Event.COMPLETED))
+    assert recorder.flush()
+    got = fields(redis_client, "app.a")
+    assert got["claimed"] == got["completed"] == 1
+    assert "skipped" not in got and got["reserved"] == 1 and "gate:count" not in got
