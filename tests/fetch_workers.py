@@ -47,7 +47,11 @@ class FetchWorker(CeleryWorker):
         assert self.process is not None
         if self.process.poll() is None:
             os.kill(self.process.pid, signal.SIGTERM)
-            self.process.wait(timeout=self.stop_timeout)
+            try:
+                self.process.wait(timeout=self.stop_timeout)
+            except subprocess.TimeoutExpired:
+                self._stuck()  # its stacks and log on stderr, its group killed
+                raise
 
     @property
     def pid(self) -> int:

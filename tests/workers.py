@@ -97,7 +97,8 @@ class WorkerProcess:
         """A warm shutdown that did not end: say where the worker was (its threads' stacks,
         printed by faulthandler on SIGABRT) on this test's stderr, then kill the group."""
         assert self.process is not None
-        self.process.send_signal(signal.SIGABRT)
+        with contextlib.suppress(ProcessLookupError):  # the group: a prefork pool's children too
+            os.killpg(self.process.pid, signal.SIGABRT)
         try:
             self.process.wait(timeout=10)
         except subprocess.TimeoutExpired:
