@@ -21,6 +21,12 @@ class FetchWorker(CeleryWorker):
     """``celery -A tests.fetch_app worker``: the reliable fetch, or kombu's (``fetch``)."""
 
     app_module = "tests.fetch_app"
+    # A prefork pool process whose last task ends after Celery's warm shutdown stopped reading
+    # results waits up to 30 s for the main process to count that result (billiard 4.3's
+    # _ensure_messages_consumed: 300 x 0.1 s) before it exits; seen here, under load, in 2
+    # of ~50 runs of the warm-shutdown test. A shutdown slower than that is still reported,
+    # with every process's stacks (_stuck).
+    stop_timeout = 45.0
 
     def __init__(self, redis_url: str, *, queue: str, fetch: str = "reliable",
                  pool: str = "solo", concurrency: int = 1, lease: float = 3.0,
