@@ -21,7 +21,7 @@ import redis
 from benchmarks.harness import RoundTripCounter, command_calls
 from taskdedup import Deduplicator, Policy, RedisStore
 from taskdedup.stores import cas
-from taskdedup.stores._compat import raw_exchange
+from taskdedup.stores._compat import as_sent, raw_exchange
 from taskdedup.stores.base import LockResult, LockState, Outcome
 from taskdedup.stores.server import read_facts
 
@@ -303,3 +303,13 @@ def test_a_call_published_without_taskdedup_claims_its_absent_lock_in_one_comman
     dedup.store.reserve(other_key, "someone-else", 60_000)
     assert dedup.start("cas.n", policy, other_key, owner, reserved=False).verdict.value == \
         "duplicate"
+
+
+def test_only_ascii_text_is_encoded_before_redis_py_sees_it() -> None:
+    """ASCII goes as bytes (what any client would send); other text is left to the client's
+    own encoding, so a key or an owner is the same bytes on every path."""
+    assert as_sent("taskdedup:app.charge:ab") == b"taskdedup:app.charge:ab"
+    assert as_sent("Q||id", b"Q||id") == b"Q||id"
+    assert as_sent("taskdedup:app.zahlung:ü") == "taskdedup:app.zahlung:ü"
+    command, expect = cas.claim_command("taskdedup:t:ü", "id-1", 1000)
+    assert command[1] == "taskdedup:t:ü" and command[2] == b"R||id-1" and expect == b"Q||id-1"

@@ -26,6 +26,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from ._compat import as_sent
+
 __all__ = ["Command", "claim_command", "complete_command", "held_check", "probe"]
 
 Command = tuple[Any, ...]
@@ -42,20 +44,11 @@ def claim_command(key: str, owner: str, lease_ms: int, *, reserved: bool = True,
     if reserved:
         queued = f"Q|{check}|{owner}"
         expect = queued.encode()
-        return (("SET", _wire(key), _wire(f"R|{check}|{owner}"), b"IFEQ", _wire(queued, expect),
-                 b"PX", b"%d" % lease_ms, b"GET"), expect)
+        return (("SET", as_sent(key), as_sent(f"R|{check}|{owner}"), b"IFEQ",
+                 as_sent(queued, expect), b"PX", b"%d" % lease_ms, b"GET"), expect)
     # as the script takes an absent lock: no check (nothing reserved one)
-    return ("SET", _wire(key), _wire("R||" + owner), b"NX", b"PX", b"%d" % lease_ms,
+    return ("SET", as_sent(key), as_sent("R||" + owner), b"NX", b"PX", b"%d" % lease_ms,
             b"GET"), None
-
-
-def _wire(text: str, encoded: bytes | None = None) -> bytes | str:
-    """``text`` as redis-py sends it, made here where that does not depend on the client's
-    encoding (ASCII): redis-py's encoder returns bytes as they are and asks five questions of
-    a ``str`` (a claim or a completion: eight arguments per task). ``encoded``: already made."""
-    if not text.isascii():
-        return text
-    return encoded if encoded is not None else text.encode()
 
 
 def held_check(found: object, owner: str) -> str | None:
@@ -85,7 +78,7 @@ def complete_command(key: str, owner: str, ttl_ms: int, finished_ms: int, check:
         return None
     running = f"R|{check}|{owner}"
     expect = running.encode()
-    return ("SET", _wire(key), _wire(value), b"IFEQ", _wire(running, expect), b"PX",
+    return ("SET", as_sent(key), as_sent(value), b"IFEQ", as_sent(running, expect), b"PX",
             b"%d" % px, b"GET"), expect
 
 

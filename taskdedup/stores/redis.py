@@ -45,7 +45,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from ..approximate import Probe
 from ..exceptions import ConfigurationError, StoreUnavailableError
 from . import cas, scripts, server
-from ._compat import NEVER_DECODE, raw_exchange
+from ._compat import NEVER_DECODE, as_sent, raw_exchange
 from .base import LockInfo, LockResult, LockState, Outcome, Remembered
 from .memory import check_check, check_ms, check_owner, parse_value
 from .owners import compact_owner, owner_text
@@ -1318,16 +1318,12 @@ def reserve_and_run(
     flags = ("1" if replace else "0") + ("1" if fresh else "0") + ("1" if follow_up else "")
     if guard:
         flags = flags.ljust(3, "0") + "1"
-    # Arguments go to redis-py as bytes where those do not depend on the client's encoding
-    # (ASCII text, numbers): its encoder returns bytes as they are, and asks five questions
-    # of any other value (a publish's dozen arguments: microseconds).
-    head = (owner.encode() if owner.isascii() else owner, b"%d" % ttl_ms, check.encode(),
-            flags.encode(), peek.encode() if peek.isascii() else peek)
+    # numbers and ASCII text go as the bytes redis-py would send (as_sent): a dozen arguments
+    head = (as_sent(owner), b"%d" % ttl_ms, check.encode(), flags.encode(), as_sent(peek))
     tail: list[Any] = []
     for command in commands:
         tail.append(b"%d" % len(command))
-        tail.extend(part.encode() if type(part) is str and part.isascii() else part
-                    for part in command)
+        tail.extend(as_sent(part) if type(part) is str else part for part in command)
     for _ in range(_WINDOW_TRIES):
         keys, extra = window_keys(key, window)
         if follow_up:
