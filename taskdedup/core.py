@@ -529,7 +529,7 @@ class Deduplicator:
         )
 
     def finish(self, name: str, policy: Policy, key: str, owner: str, *, success: bool,
-               later: bool = False) -> None:
+               later: bool = False, hold: bool = False) -> None:
         """The body is over: complete (success) or release (final failure).
 
         Store errors are logged, not raised: the lock then frees itself within ``lease``.
@@ -537,6 +537,9 @@ class Deduplicator:
         completion is sent at once and its reply read later (a store with
         ``complete_later``, exact windows): ``completed`` is emitted when it is sent, and a
         lock found gone when the reply is read is reported then (``lease_lost``).
+        ``hold`` (with ``later``): no copy of this call can follow it (acked before its body,
+        no ETA, not redelivered), so the completion may ride, within milliseconds, in a
+        transaction the worker sends anyway (``RedisStore.hold_here``).
         """
         self.stop_heartbeat(key, owner)
         if policy.mode is Mode.UNTIL_EXECUTING:
@@ -556,7 +559,8 @@ class Deduplicator:
                 if outcome is not Outcome.OK:  # ``completed`` was said at the send
                     self._completed(name, policy, key, owner, outcome)
 
-            if complete_later(key, owner, ttl_ms, report, finished_ms=finished_ms):
+            if complete_later(key, owner, ttl_ms, report, finished_ms=finished_ms,
+                              **({"hold": True} if hold else {})):
                 # said now, inside the task's span and logs; a lock found gone when the reply
                 # is read follows as lease_lost
                 self._emit(Event.COMPLETED, name, key, owner)

@@ -30,6 +30,7 @@ app.conf.update(
     worker_hijack_root_logger=False,
     result_expires=600,
     broker_transport=os.environ.get("TASKDEDUP_TEST_TRANSPORT") or None,
+    taskdedup_prefork_handover=os.environ.get("TASKDEDUP_TEST_HANDOVER") == "1",
     broker_transport_options={
         "visibility_timeout": VISIBILITY,
         "unacked_restore_interval": 1,
@@ -39,6 +40,10 @@ app.conf.update(
         "unacked_mutex_expire": 10,
     },
 )
+if os.environ.get("TASKDEDUP_TEST_HOLD_FOR"):  # test instrumentation: a held completion waits
+    from taskdedup.stores import trail
+
+    trail.HOLD_FOR = float(os.environ["TASKDEDUP_TEST_HOLD_FOR"])
 if os.environ.get("TASKDEDUP_TEST_SLOW_BUILD"):  # test instrumentation, not a seam of taskdedup
     import taskdedup.celery.config
     from taskdedup.core import Deduplicator
@@ -90,6 +95,20 @@ def record(label: str, n: int = 0) -> str:
 def record_until_executed(label: str, n: int = 0) -> str:
     effect(label, n)
     return label
+
+
+@app.task(base=DedupTask, dedup=Policy(mode="until_executed", ttl=60), ignore_result=True)
+def record_unseen(label: str) -> None:
+    """No result stored, no callbacks: nobody sees its outcome, so its completion's reply
+    is read later (and, on a solo worker, the completion may ride the next record)."""
+    effect(label)
+
+
+@app.task(base=DedupTask, dedup=Policy(mode="until_executed", ttl=60), ignore_result=True,
+          acks_late=True)
+def record_unseen_late(label: str) -> None:
+    """:func:`record_unseen`, acked after its body."""
+    effect(label)
 
 
 @app.task(base=DedupTask, dedup=Policy(mode="until_expired", ttl=2))

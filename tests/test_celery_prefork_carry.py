@@ -1,6 +1,7 @@
-"""Real prefork Celery workers: the main process carries each claim in kombu's record of the
-message and hands it to the pool process that runs the body (``taskdedup.celery.handover``);
-a claim no pool process takes is given back, whatever ends the request.
+"""Real prefork Celery workers with ``taskdedup_prefork_handover``: the main process carries
+each claim in kombu's record of the message and hands it to the pool process that runs the
+body (``taskdedup.celery.handover``); a claim no pool process takes is given back, whatever
+ends the request. Without the setting (the default), each pool process claims its own.
 
 Messages are published to a staging queue no worker reads, prepared, then moved to the
 worker's queue in one ``RENAME``.
@@ -29,7 +30,8 @@ STAGE = "it-prefork-carry-stage"
 
 @pytest.fixture(scope="module")
 def worker(redis_url: str) -> Iterator[CeleryWorker]:
-    yield from CeleryWorker(redis_url, queue=QUEUE, concurrency=2).running()
+    yield from CeleryWorker(redis_url, queue=QUEUE, concurrency=2,
+                            env={"TASKDEDUP_TEST_HANDOVER": "1"}).running()
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +91,41 @@ def test_the_claim_rides_in_the_main_processs_record_and_the_pool_process_runs_t
         assert recorded(rc, name) == ["0"]
 
 
+def test_by_default_each_pool_process_claims_its_own_calls(
+    capp: Any, rc: redis.Redis, redis_url: str,
+) -> None:
+    """Without ``taskdedup_prefork_handover`` the main process, a prefork worker's
+    bottleneck, carries no claim: kombu's record is kombu's alone, and each call is claimed
+    once, on its own, before its body runs."""
+    from taskdedup.celery import get_deduplicator
+
+    queue = f"{QUEUE}-default"
+    claim_sha = get_deduplicator(capp.app).store._claim.sha
+    names = [label() for _ in range(3)]
+    calls = [staged(capp, rc, capp.record_until_executed, name) for name in names]
+    plain = CeleryWorker(redis_url, queue=queue, concurrency=2).start()
+    try:
+        with Monitor(redis.Redis.from_url(redis_url)) as monitor:
+            rc.rename(STAGE, queue)
+            for name, (_, key) in zip(names, calls, strict=True):
+                wait_for(lambda name=name: recorded(rc, name), timeout=30, what="the body ran")
+                wait_for(lambda key=key: released(rc, key), timeout=30,
+                         what="the lock completed")
+    finally:
+        plain.stop()
+    lines = monitor.lines
+    for name, (task_id, _) in zip(names, calls, strict=True):
+        claims = [i for i, line in enumerate(lines) if is_claim(line, claim_sha, task_id)]
+        record = next(i for i, line in enumerate(lines)
+                      if line.startswith("HSET unacked ") and task_id in line)
+        end = lines.index("EXEC", record)
+        assert claims and not any(record - 2 <= i <= end for i in claims), \
+            lines[record - 3:end + 2]
+        assert claims[0] > end and len(claims) == 1, [lines[i] for i in claims]
+        assert recorded(rc, name) == ["0"]
+    rc.delete(queue)
+
+
 def test_a_claim_carried_for_a_message_that_never_becomes_a_request_is_given_back(
     capp: Any, rc: redis.Redis,
 ) -> None:
@@ -137,7 +174,8 @@ def test_a_stopping_worker_turns_back_the_claims_of_the_messages_it_did_not_star
     names = [label() for _ in range(3)]
     calls = [staged(capp, rc, capp.record_until_executed, name) for name in names]
     stopping = CeleryWorker(redis_url, queue=queue, concurrency=1,
-                            env={"TASKDEDUP_TEST_PREFETCH": "4"}).start()
+                            env={"TASKDEDUP_TEST_PREFETCH": "4",
+                                 "TASKDEDUP_TEST_HANDOVER": "1"}).start()
     try:
         rc.rename(STAGE, queue)
         wait_for(lambda: recorded(rc, first), timeout=30, what="the first body started")

@@ -124,6 +124,90 @@ def test_the_claim_rides_in_kombus_record_of_the_message_and_guards_the_body(
         assert recorded(rc, name) == ["0"]
 
 
+def is_completion(line: str, complete_sha: str, task_id: str) -> bool:
+    """Whether a MONITOR line is the completion of ``task_id`` (an ``until_executed`` lock:
+    the swap from running to the FINISHED tombstone, or the script)."""
+    if line.startswith(f"EVALSHA {complete_sha}"):
+        return task_id in line
+    return line.startswith("SET ") and f" F||{task_id} IFEQ " in line
+
+
+@pytest.fixture
+def holding_worker(redis_url: str, capp: Any) -> Iterator[CeleryWorker]:
+    """A solo worker whose held completions wait up to 0.5 s for the next record
+    (``HOLD_FOR``): long enough for any machine's next fetch, short enough to see."""
+    yield from CeleryWorker(redis_url, queue=f"{QUEUE}-held", concurrency=1, pool="solo",
+                            env={"TASKDEDUP_TEST_HOLD_FOR": "0.5"}).running()
+
+
+def _run_staged(rc: redis.Redis, redis_url: str, queue: str,
+                calls: list[tuple[str, str]], names: list[str]) -> list[str]:
+    """Deliver the staged calls to ``queue``; the MONITOR lines until each ran and its lock
+    completed."""
+    with Monitor(redis.Redis.from_url(redis_url)) as monitor:
+        rc.rename(STAGE, queue)
+        for name, (_, key) in zip(names, calls, strict=True):
+            wait_for(lambda name=name: recorded(rc, name), timeout=30, what="the body ran")
+            wait_for(lambda key=key: released(rc, key), timeout=30, what="the lock completed")
+    return monitor.lines
+
+
+def _record(lines: list[str], task_id: str) -> tuple[int, int, str]:
+    """kombu's record of ``task_id``'s message: the indexes of its ``MULTI`` and ``EXEC``,
+    and the message's delivery tag."""
+    at = next(i for i, line in enumerate(lines)
+              if line.startswith("HSET unacked ") and task_id in line)
+    start = max(i for i in range(at) if lines[i] == "MULTI")
+    return start, lines.index("EXEC", at), lines[at].split(" ")[2]
+
+
+def test_a_completion_nobody_sees_rides_the_next_record(
+    holding_worker: CeleryWorker, capp: Any, rc: redis.Redis, redis_url: str,
+) -> None:
+    """A call whose outcome nobody sees (no result stored, no callbacks), acked before its
+    body: its completion is held for kombu's record of the next message, which carries it
+    (no command of its own); the last one, with no next message, goes out on its own
+    within ``HOLD_FOR``."""
+    from taskdedup.celery import get_deduplicator
+
+    complete_sha = get_deduplicator(capp.app).store._complete.sha
+    names = [label() for _ in range(3)]
+    calls = [staged(capp, rc, capp.record_unseen, name) for name in names]
+    lines = _run_staged(rc, redis_url, holding_worker.queue, calls, names)
+    records = [_record(lines, task_id) for task_id, _ in calls]
+    for n, (task_id, _) in enumerate(calls):
+        done = [i for i, line in enumerate(lines) if is_completion(line, complete_sha, task_id)]
+        assert done, f"no completion of call {n}"
+        if n + 1 < len(calls):  # inside the next message's record
+            start, end, _ = records[n + 1]
+            assert start < done[0] < end, lines[start:end + 1]
+        else:
+            assert done[0] > records[n][1]
+            assert not any(start < done[0] < end for start, end, _ in records)
+    assert [len(recorded(rc, name)) for name in names] == [1] * len(names)  # each ran once
+
+
+def test_a_completion_acked_after_its_body_is_never_held(
+    holding_worker: CeleryWorker, capp: Any, rc: redis.Redis, redis_url: str,
+) -> None:
+    """``acks_late``: the message stays in the broker until after the body, and kombu may
+    hand out a copy; the completion goes out before the ack, never later in another
+    record (a worker killed between them would leave the copy a running lock)."""
+    from taskdedup.celery import get_deduplicator
+
+    complete_sha = get_deduplicator(capp.app).store._complete.sha
+    names = [label() for _ in range(2)]
+    calls = [staged(capp, rc, capp.record_unseen_late, name) for name in names]
+    lines = _run_staged(rc, redis_url, holding_worker.queue, calls, names)
+    records = [_record(lines, task_id) for task_id, _ in calls]
+    for (task_id, _), (_, _, tag) in zip(calls, records, strict=True):
+        done = next(i for i, line in enumerate(lines)
+                    if is_completion(line, complete_sha, task_id))
+        ack = next(i for i, line in enumerate(lines) if line == f"HDEL unacked {tag}")
+        assert done < ack
+        assert not any(start < done < end for start, end, _ in records)
+
+
 def test_a_claim_sent_ahead_that_finds_another_holder_skips_the_body(
     capp: Any, rc: redis.Redis,
 ) -> None:

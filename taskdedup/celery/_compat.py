@@ -56,7 +56,7 @@ import inspect
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual as kombu_virtual
@@ -459,15 +459,16 @@ def after_poll_reply(channel: Any) -> None:
 
 
 def wrap_qos_append(channel: Any, before: Callable[[Any, bool], Any],
-                    carry: bool = False) -> str | None:
+                    carry: bool = False, held: Held | None = None) -> str | None:
     """Have ``before(message, carry)`` called as kombu's Redis ``QoS.append`` records a
     received message unacked (its round trip), on this one channel
     (:class:`~.ahead.ClaimAhead`); ``before`` must not block, and its errors are logged, never
     raised. With ``carry`` (:func:`carry_missing` and :func:`same_database_missing` said
     None), ``before`` may return a claim for the record's transaction to carry (a
-    ``command``, and ``reply`` for its reply): ``carry`` is then true until the server
-    refuses one. None when done (or done already), else what is missing: the claim then goes
-    out later, as before."""
+    ``command``, and ``reply`` for its reply), and the transaction carries the completions
+    ``held`` gives (sent ahead of the claim): ``carry`` is then true until the server
+    refuses one, and ``held.stop()`` is called then. None when done (or done already), else
+    what is missing: the claim then goes out later, as before."""
     qos = getattr(channel, "qos", None) if channel is not None else None
     if not isinstance(qos, kombu_redis.QoS):
         return "the worker does not consume from Redis through kombu's QoS"
@@ -478,20 +479,62 @@ def wrap_qos_append(channel: Any, before: Callable[[Any, bool], Any],
         return "kombu's QoS.append is not append(message, delivery_tag)"
 
     carrying = [carry]  # until a transaction refuses a claim it carried
+    take = held.take if held is not None and carry else None
 
     def wrapped(message: Any, delivery_tag: Any) -> Any:
-        carried = None
+        claim = None
         try:
-            carried = before(message, carrying[0])
+            claim = before(message, carrying[0])
         except Exception:
             logger.debug("taskdedup: could not send a claim ahead", exc_info=True)
-        if carried is None:
+        completions = take() if take is not None and carrying[0] else None
+        if claim is None and not completions:
             return append(message, delivery_tag)
-        return _append_carrying(qos, append, message, delivery_tag, carried, carrying)
+        load = _Load(claim, completions or [], held)
+        return _append_carrying(qos, append, message, delivery_tag, load, carrying)
 
     wrapped.taskdedup_ahead = True  # type: ignore[attr-defined]
     qos.append = wrapped  # type: ignore[method-assign]
     return None
+
+
+class Held(NamedTuple):
+    """The completions a thread holds for kombu's next record to carry (the store's
+    ``carry_held``, ``held_replies``, and ``hold_here(None)`` to stop holding)."""
+
+    take: Callable[[], list[tuple[tuple[Any, ...], Callable[[Any], None]]]]
+    answer: Callable[[list[Any], list[Any] | None], None]
+    stop: Callable[[], None]
+
+
+class _Load:
+    """What one record's transaction carries: held completions, then a claim."""
+
+    __slots__ = ("claim", "completions", "held")
+
+    def __init__(self, claim: Any, completions: list[Any], held: Held | None) -> None:
+        self.claim, self.completions, self.held = claim, completions, held
+
+    def commands(self) -> list[tuple[Any, ...]]:
+        commands = [command for command, _ in self.completions]
+        if self.claim is not None:
+            commands.append(self.claim.command)
+        return commands
+
+    def answer(self, replies: list[Any]) -> None:
+        """The carried commands' replies, in order."""
+        if self.claim is not None:
+            self.claim.reply(replies.pop())
+        completions, self.completions = self.completions, []
+        if completions and self.held is not None:
+            self.held.answer(completions, replies)
+
+    def refused(self) -> None:
+        """Nothing carried ran: the completions go out on their own; the claim is made when
+        it is read."""
+        if self.completions and self.held is not None:
+            completions, self.completions = self.completions, []
+            self.held.answer(completions, None)
 
 
 def carry_missing(channel: Any) -> str | None:
@@ -532,33 +575,34 @@ def same_database_missing(channel: Any, client: Any) -> str | None:
 
 
 def _append_carrying(qos: Any, append: Callable[[Any, Any], Any], message: Any,
-                     delivery_tag: Any, carried: Any, carrying: list[bool]) -> Any:
-    """kombu's ``append``, with ``carried.command`` (a claim) added to the transaction of its
-    unacked record: one round trip for both. The claim's reply goes to ``carried.reply``. A
-    transaction that is refused as a whole (a command refused as it is queued) is sent again
-    without the claim, kombu's commands as kombu wrote them, and claims are no longer carried
-    on this channel; the claim then goes out when it is read."""
+                     delivery_tag: Any, load: _Load, carrying: list[bool]) -> Any:
+    """kombu's ``append``, with ``load``'s commands (held completions, a claim) added to the
+    transaction of its unacked record: one round trip for all. Their replies go to ``load``.
+    A transaction that is refused as a whole (a command refused as it is queued) is sent
+    again without them, kombu's commands as kombu wrote them, and nothing more is carried
+    on this channel; the claim then goes out when it is read, the completions at once."""
     # a partial of one module-level context manager: a decorated closure per message would
     # cost a functools.wraps per task
-    qos.pipe_or_acquire = functools.partial(_pipe_carrying, qos, carried, carrying, [])
+    qos.pipe_or_acquire = functools.partial(_pipe_carrying, qos, load, carrying, [])
     try:
         return append(message, delivery_tag)
     finally:
         del qos.pipe_or_acquire
+        load.refused()  # carried nothing (kombu failed first): the completions go out
 
 
 @contextmanager
-def _pipe_carrying(qos: Any, carried: Any, carrying: list[bool], taken: list[Any],
+def _pipe_carrying(qos: Any, load: _Load, carrying: list[bool], taken: list[Any],
                    pipe: Any = None, client: Any = None) -> Iterator[Any]:
     """kombu's ``pipe_or_acquire(pipe, client)`` for one :func:`_append_carrying`: the first
-    pipeline it makes (``taken``) carries the claim."""
+    pipeline it makes (``taken``) carries ``load``."""
     carrier = pipe is None and not taken
     if carrier and client is None:
         client = _kept_client(qos.channel)
     with type(qos).pipe_or_acquire(qos, pipe, client) as made:
         if carrier:
             taken.append(made)
-            made.execute = _carrier(made, carried, carrying)
+            made.execute = _carrier(made, load, carrying)
         yield made
 
 
@@ -579,24 +623,29 @@ def _kept_client(channel: Any) -> Any:
     return kept
 
 
-def _carrier(pipe: Any, carried: Any, carrying: list[bool]) -> Callable[..., Any]:
-    """``pipe.execute`` for a pipeline that carries ``carried.command`` last."""
+def _carrier(pipe: Any, load: _Load, carrying: list[bool]) -> Callable[..., Any]:
+    """``pipe.execute`` for a pipeline that carries ``load``'s commands last."""
     execute = pipe.execute
 
     def execute_carrying(raise_on_error: bool = True) -> Any:
         own = list(pipe.command_stack)
         # get=True: redis-py hands a SET ... GET reply back as the server sent it
-        pipe.execute_command(*carried.command, get=True)
+        for command in load.commands():
+            pipe.execute_command(*command, get=True)
         try:
             replies = execute(raise_on_error=False)
         except ResponseError as exc:  # refused as queued (EXECABORT): nothing of it ran
             pipe.command_stack = own  # kombu's alone: its own error, if it is kombu's, raised
             replies = execute(raise_on_error=raise_on_error)
             carrying[0] = False
+            load.refused()
+            if load.held is not None:
+                load.held.stop()
             logger.warning("taskdedup: kombu's unacked record no longer carries the claim "
                            "(%s): it goes out on its own", exc)
             return replies
-        carried.reply(replies.pop())
+        load.answer(replies[len(own):])
+        del replies[len(own):]
         if raise_on_error:
             pipe.raise_first_error(own, replies)
         return replies

@@ -33,6 +33,7 @@ RUNNING_ATTR = "_taskdedup_running"  # on the request: the token of taskdedup.ru
 TRACED_ATTR = "_taskdedup_traced"  # on the request: before_start ran, __call__ is the tracer's
 COMPLETED_ATTR = "_taskdedup_completed"  # on the request: __call__ completed its lock
 RELEASED_ATTR = "_taskdedup_released"  # on the request: __call__ released it (a failure)
+AHEAD_ATTR = "_taskdedup_ahead"  # on the request: its claim rode ahead, moments before the body
 _DUPLICATE_OF, _WORKFLOW = "dup", "wf"
 
 

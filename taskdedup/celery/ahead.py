@@ -18,9 +18,14 @@ connection of its own, and ``before_start`` then reads a reply that is there alr
   process that took the message (solo, threads, eventlet, gevent), the claim goes out when
   the pool accepts the task, overlapping Celery's own work before ``before_start``.
 
-Under prefork the body runs in a pool process, later: where kombu's record can carry the
-claim (as on a solo pool), the main process's record carries it, and the request hands it to
-the pool process (:mod:`.handover`); elsewhere the pool process claims in ``before_start``.
+Under prefork the body runs in a pool process, later, and by default that process claims
+in ``before_start``: the main process fetches, records, acks and dispatches every message,
+and is the worker's bottleneck, so the claim's work stays with the pool processes, which
+wait for it in parallel. With ``taskdedup_prefork_handover = True``, where kombu's record can
+carry the claim (as on a solo pool), the main process's record carries it, and the request
+hands it to the pool process (:mod:`.handover`): a round trip less per pool process, paid
+for with the main process's time (measured: 0.83 of plain throughput with it, 0.93
+without, prefork -c 2 on two cores; docs/explanation/performance.md).
 Only a call that runs at once and whose message carries its lock key goes ahead (no ETA or
 countdown, no rate limit, not bypassed or marked, no debounce/coalesce generation, no
 approximate window, not ``until_executing``); anything else is claimed by ``before_start`` as
@@ -46,6 +51,7 @@ from ..events import logger
 from ..exceptions import StoreUnavailableError
 from ..pids import pid as this_pid
 from ..policy import OnDuplicate, is_disabled
+from ..stores import trail
 from ..stores.base import Outcome
 from . import _compat, handover
 from ._message import HEADER, carried_check, carried_key, is_off, marked
@@ -135,14 +141,23 @@ class ClaimAhead(bootsteps.StartStopStep):  # type: ignore[misc]
 
     requires = ("celery.worker.consumer.tasks:Tasks",)
 
+    _held: _compat.Held | None = None
+
     def start(self, c: Any) -> None:
         _handing[0] = False
+        self._stop_holding()
         hub = getattr(c, "hub", None)
         kind = type(c.pool).__module__
         prefork = kind == "celery.concurrency.prefork"
         if (kind != "celery.concurrency.solo" and not prefork) or hub is None:
             return
         app, tasks = c.app, c.app.tasks
+        if prefork and not app.conf.get("taskdedup_prefork_handover", False):
+            # the main process is a prefork worker's bottleneck (it fetches, records, acks
+            # and dispatches every message): each pool process claims its own calls
+            logger.debug("taskdedup: each pool process claims its own calls "
+                         "(taskdedup_prefork_handover is off)")
+            return
         channel = getattr(getattr(c, "task_consumer", None), "channel", None)
         not_carried = _carry_missing(app, channel)
         if prefork and (not_carried or not handover.ready()):
@@ -172,7 +187,12 @@ class ClaimAhead(bootsteps.StartStopStep):  # type: ignore[misc]
             hub.call_soon(abandon, task_id)
             return sent if getattr(sent, "command", None) is not None else None
 
-        missing = _compat.wrap_qos_append(channel, before_append, carry=not_carried is None)
+        held = None if prefork or not_carried else _hold_completions(app, hub)
+        missing = _compat.wrap_qos_append(channel, before_append, carry=not_carried is None,
+                                          held=held)
+        if missing and held is not None:
+            held.stop()
+        self._held = None if missing else held
         _handing[0] = prefork and not missing
         if missing:
             logger.debug("taskdedup: the claim goes out when the pool accepts the task "
@@ -185,10 +205,52 @@ class ClaimAhead(bootsteps.StartStopStep):  # type: ignore[misc]
         """The consumer stops (a restart, the worker's shutdown): claims handed over that no
         pool process took go back to ``queued`` by their ids, as their messages go back to
         the broker."""
+        self._stop_holding()
         handover.end_all()
 
     def shutdown(self, c: Any) -> None:
+        self._stop_holding()
         handover.end_all()
+
+    def _stop_holding(self) -> None:
+        """Completions held for the next record go out now; none are held from here on."""
+        held, self._held = self._held, None
+        if held is not None:
+            try:
+                held.stop()
+            except Exception:  # the heartbeat thread or the exit sends them instead
+                logger.debug("taskdedup: could not send the held completions", exc_info=True)
+
+
+def _hold_completions(app: Any, hub: Any) -> _compat.Held | None:
+    """Have this thread (a solo pool's: the consumer's, which runs the bodies) hold the
+    completions of calls no copy can follow, for kombu's record of the next message to
+    carry (``RedisStore.hold_here``); one not carried within ``HOLD_FOR`` goes out on its
+    own, from a timer of the worker's own event loop. None: the store cannot hold."""
+    store: Any = get_deduplicator(app).store
+    hold_here = getattr(store, "hold_here", None)
+    if hold_here is None:
+        return None
+    pending = [False]  # a flush timer is due on the hub
+
+    def flush() -> None:
+        pending[0] = False
+        try:
+            left = store.flush_held()
+        except Exception:  # the heartbeat thread sends it within SETTLE_AFTER instead
+            logger.debug("taskdedup: could not send the held completions", exc_info=True)
+            return
+        if left is not None:
+            wake(left)
+
+    def wake(delay: float | None = None) -> None:
+        if not pending[0]:
+            pending[0] = True
+            hub.call_later(trail.HOLD_FOR if delay is None else delay, flush)
+
+    if not hold_here(wake):
+        return None
+    return _compat.Held(store.carry_held, store.held_replies, lambda: hold_here(None))
 
 
 def _carry_missing(app: Any, channel: Any) -> str | None:

@@ -242,8 +242,9 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
     """A worker starts, before it connects: with ``taskdedup_reliable_fetch``, it consumes
     through taskdedup's transport (:func:`~taskdedup.celery.config.use_reliable_fetch`)."""
     holders.open_table()  # before the pool forks: its processes say what they hold
-    handover.open_table()  # and take the claims the main process carried for them
     app = getattr(sender, "app", None)
+    if app is None or app.conf.get("taskdedup_prefork_handover", False):
+        handover.open_table()  # and take the claims the main process carried for them
     if app is not None:
         use_reliable_fetch(app, getattr(sender, "hostname", None))
 

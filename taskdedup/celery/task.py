@@ -54,6 +54,7 @@ from . import _compat, claims, eager, handover, holders
 from . import ahead as claimed_ahead
 from . import limits as task_limits
 from ._message import (
+    AHEAD_ATTR,
     COMPLETED_ATTR,
     HEADER,
     RELEASED_ATTR,
@@ -644,7 +645,8 @@ class DedupTask(Task):  # type: ignore[misc]
         setattr(request, COMPLETED_ATTR, True)
         later = not (request.is_eager or self._outcome_seen(request))
         get_deduplicator(self.app).finish(self.name, policy, str(key), request.id,
-                                          success=True, later=later)
+                                          success=True, later=later,
+                                          hold=later and self._no_copy(request))
         holders.clear(request.id)  # a loss from here on is not this lock's
 
     def _release_failed(self, request: Any) -> None:
@@ -658,6 +660,17 @@ class DedupTask(Task):  # type: ignore[misc]
         setattr(request, RELEASED_ATTR, True)
         get_deduplicator(self.app).release(self.name, str(key), request.id, reason="failed")
         holders.clear(request.id)
+
+    def _no_copy(self, request: Any) -> bool:
+        """Whether no copy of this message can follow it, so its completion may wait
+        milliseconds for a transaction the worker sends anyway (``Deduplicator.finish``'s
+        ``hold``): its claim rode ahead moments before the body (no ETA, no wait in the
+        prefetch buffer, in which kombu could restore it), it was acked before the body,
+        and it is not itself a restored copy."""
+        if not request.__dict__.get(AHEAD_ATTR) or self.acks_late:
+            return False
+        info = request.delivery_info
+        return not (isinstance(info, Mapping) and info.get("redelivered"))
 
     def _outcome_seen(self, request: Any) -> bool:
         """Whether this execution's outcome reaches anyone once the body returns: a result
@@ -732,6 +745,7 @@ class DedupTask(Task):  # type: ignore[misc]
             ahead[0] = None
             if generation is None and early[1].key == key and early[2] is dedup:
                 sent = early[1]
+                setattr(request, AHEAD_ATTR, True)
             else:  # sent for another lock or by a deduplicator the app has replaced since:
                 # read (and given back) before this claim, which would otherwise find the lock
                 # it took and take it for a copy of this very call running elsewhere

@@ -693,14 +693,16 @@ class RedisStore:
 
     def complete_later(
         self, key: str, owner: str, ttl_ms: int, on_outcome: Callable[[Any], None], *,
-        finished_ms: int = 0,
+        finished_ms: int = 0, hold: bool = False,
     ) -> bool:
         """:meth:`complete`, sent at once, its reply read later (:mod:`.trail`): the
         worker's next task does not wait a round trip for it. ``on_outcome`` gets the
         :class:`Outcome`, or the :class:`StoreUnavailableError`, when the reply is read (on
         this thread's next claim, from the heartbeat thread soon after, or at exit). False:
         nothing was sent (no raw connection here, or the send failed); call :meth:`complete`.
-        """
+        ``hold``: no copy of this call can follow it (the caller says so), so the completion
+        may wait up to :data:`~.trail.HOLD_FOR` for a transaction this thread sends anyway,
+        where this thread holds (:meth:`carry_held`)."""
         if self._trails is None:
             check_owner(owner)
             check_ms("ttl_ms", ttl_ms, allow_zero=True)
@@ -727,6 +729,8 @@ class RedisStore:
                     outcome = exc
                 on_outcome(outcome)
 
+            if hold and self._trails.hold(command, swapped):
+                return True
             return self._trails.send(command, swapped) is not None
         args: tuple[Any, ...] = (stored, ttl_ms, finished_ms) if finished_ms else (stored, ttl_ms)
 
@@ -735,7 +739,36 @@ class RedisStore:
                 reply = self._unavailable(f"complete {key!r}", reply)
             on_outcome(reply if isinstance(reply, Exception) else _OUTCOMES[reply])
 
-        return self._eval_later("complete", key, args, outcome) is not None
+        return self._eval_later("complete", key, args, outcome, hold=hold) is not None
+
+    def hold_here(self, wake: Callable[[], None] | None) -> bool:
+        """Let this thread hold its completions for a transaction it sends anyway on this
+        store's server and database (kombu's record of the next message:
+        :mod:`taskdedup.celery.ahead`), which takes them with :meth:`carry_held`. ``wake``
+        is called as a first one is held, to have :meth:`flush_held` called on this thread
+        within :data:`~.trail.HOLD_FOR`; None: this thread sends at once again. False: this
+        store cannot hold (its completions wait for their replies)."""
+        if self._trails is None:
+            return False
+        self._trails.hold_here(wake)
+        return True
+
+    def carry_held(self) -> list[tuple[tuple[Any, ...], Callable[[Any], None]]]:
+        """The completions this thread holds, ``(command, on_reply)``, for its transaction
+        to carry; it passes their replies (undecoded, errors as exceptions) to
+        :meth:`held_replies`, or None when it was refused (they then go out on their own)."""
+        return [] if self._trails is None else self._trails.take_held()
+
+    def held_replies(self, held: list[tuple[tuple[Any, ...], Callable[[Any], None]]],
+                     replies: list[Any] | None) -> None:
+        """Report what the transaction that carried ``held`` (:meth:`carry_held`) answered."""
+        if self._trails is not None:
+            self._trails.carried(held, replies)
+
+    def flush_held(self) -> float | None:
+        """Send the completions this thread has held for :data:`~.trail.HOLD_FOR`; seconds
+        until the rest are due, or None when none are held."""
+        return None if self._trails is None else self._trails.flush_mine()
 
     def slot_release_later(self, key: str, holder: str,
                            on_outcome: Callable[[Any], None]) -> bool:
@@ -756,7 +789,7 @@ class RedisStore:
         return self._eval_later("limit_release", key, (holder,), outcome) is not None
 
     def _eval_later(self, name: str, key: str, args: tuple[Any, ...],
-                    on_reply: Callable[[Any], None]) -> Any:
+                    on_reply: Callable[[Any], None], *, hold: bool = False) -> Any:
         """``EVALSHA`` of script ``name`` sent on this thread's trail, its reply (or the
         error of its redo) to ``on_reply`` when read: the trail, or None when nothing was
         sent. The script is loaded first, once (else the first would be NOSCRIPT, made again
@@ -775,7 +808,10 @@ class RedisStore:
             except RedisError:
                 return None
             self._loaded.add(name)
-        return trails.send(("EVALSHA", script.sha, 1, key, *args), on_reply)
+        command = ("EVALSHA", script.sha, 1, key, *args)
+        if hold and trails.hold(command, on_reply):
+            return True
+        return trails.send(command, on_reply)
 
     def _eval_behind(self, name: str, action: str, key: str, *args: str | int) -> Any:
         """:meth:`_eval` of script ``name``, sent on this thread's trail behind the

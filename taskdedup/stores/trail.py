@@ -11,6 +11,13 @@ callback then reports what happened (completed, or the lock lost).
 Nothing is lost when a reply is not read: the command is on the server already. A connection
 that breaks before its replies are read has them made again, one by one, with the store's
 own call (``redo``): the commands sent this way are idempotent for their owner.
+
+A thread whose next message's transaction can carry its commands (a solo Celery worker
+consuming from the locks' own Redis: :mod:`taskdedup.celery.ahead`) may instead **hold** a
+completion (:meth:`Trails.hold`) for at most :data:`HOLD_FOR`: the transaction kombu sends
+as the next message arrives takes it (:meth:`Trails.take_held`), else it goes out on its own
+(:meth:`Trails.flush_mine`, the heartbeat thread, or at exit). A send of its own per task cost
+the worker more than the rest of the completion; only calls that no copy can follow are held.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from redis.exceptions import NoScriptError, RedisError, ResponseError
 from ..pids import ForkSafeLock, pid
 from .base import SETTLE_AFTER
 
-__all__ = ["Trails", "settle_all"]
+__all__ = ["HOLD_FOR", "Trails", "settle_all"]
 
 logger = logging.getLogger("taskdedup")
 
@@ -38,11 +45,16 @@ OnReply = Callable[[Any], None]
 
 _ALL: weakref.WeakSet[Trails] = weakref.WeakSet()
 
+HOLD_FOR = 0.002
+"""Seconds a held completion waits for a transaction to carry it before it goes out on its
+own (:meth:`Trails.flush_mine`): about two round trips of a busy worker's next fetch."""
+
 
 class _Trail:
     """One thread's connection with replies not read yet."""
 
-    __slots__ = ("__weakref__", "conn", "lock", "pid", "replies", "since")
+    __slots__ = ("__weakref__", "conn", "held", "held_at", "holds", "lock", "pid", "replies",
+                 "since")
 
     def __init__(self) -> None:
         self.conn: Any = None
@@ -50,6 +62,9 @@ class _Trail:
         self.pid = pid()
         self.replies: list[tuple[Command, OnReply]] = []
         self.since = 0.0
+        self.held: list[tuple[Command, OnReply]] = []  # not sent yet (Trails.hold)
+        self.held_at = 0.0
+        self.holds: Callable[[], None] | None = None  # hold_here's wake: this thread holds
 
 
 class Trails:
@@ -82,36 +97,127 @@ class Trails:
         (nothing of it reached the server: the caller makes the ordinary call)."""
         trail = self._mine()
         with trail.lock:
-            conn = trail.conn
-            try:
-                if conn is None:
-                    conn = trail.conn = self._take()
-                # redis-py's health check PINGs and reads: never with replies owed
-                conn.send_packed_command(self._pack(conn, [command]),
-                                         check_health=not trail.replies)
-            except (RedisError, OSError):
-                if conn is not None:
-                    conn.disconnect()
-                self._settle(trail)  # what it owed is made again; the connection goes back
+            if not self._send_held(trail, [(command, on_reply)]):
                 return None
-            if not trail.replies:
-                trail.since = time.monotonic()
-                with self._open_lock:
-                    self._open.add(trail)
-            trail.replies.append((command, on_reply))
         return trail
+
+    def _send_held(self, trail: _Trail, commands: list[tuple[Command, OnReply]]) -> bool:
+        """Send ``trail``'s held commands, then ``commands``, in one write; their replies
+        are owed. False when the write failed: the held ones are made again at once (they
+        are owed by then), ``commands`` are not. Caller holds ``trail.lock``."""
+        held, trail.held = trail.held, []
+        conn = trail.conn
+        try:
+            if conn is None:
+                conn = trail.conn = self._take()
+            # redis-py's health check PINGs and reads: never with replies owed
+            conn.send_packed_command(self._pack(conn, [c for c, _ in held + commands]),
+                                     check_health=not trail.replies)
+        except (RedisError, OSError):
+            if conn is not None:
+                conn.disconnect()
+            trail.replies.extend(held)
+            self._settle(trail)  # what it owed is made again; the connection goes back
+            return False
+        if not trail.replies and not held:
+            trail.since = time.monotonic()
+            with self._open_lock:
+                self._open.add(trail)
+        trail.replies.extend(held)
+        trail.replies.extend(commands)
+        return True
+
+    def hold_here(self, wake: Callable[[], None] | None) -> None:
+        """Let this thread hold its completions (:meth:`hold`): a transaction it sends
+        anyway carries them (:meth:`take_held`). ``wake`` is called when a first one is
+        held, to have :meth:`flush_mine` called on this thread within :data:`HOLD_FOR`;
+        None: this thread sends at once again (what it holds goes out now)."""
+        trail = self._mine()
+        with trail.lock:
+            trail.holds = wake
+            if wake is None and trail.held:
+                self._send_held(trail, [])
+
+    def hold(self, command: Command, on_reply: OnReply) -> bool:
+        """Keep ``command`` for a transaction this thread sends anyway, its reply to
+        ``on_reply`` when read; False (nothing kept) when this thread does not hold: call
+        :meth:`send`."""
+        trail: _Trail | None = getattr(self._local, "trail", None)
+        if trail is None or trail.holds is None or trail.pid != pid():
+            return False
+        with trail.lock:
+            first = not trail.held
+            trail.held.append((command, on_reply))
+            if first:
+                trail.held_at = time.monotonic()
+                if not trail.replies:
+                    trail.since = trail.held_at
+                    with self._open_lock:
+                        self._open.add(trail)
+        if first:
+            trail.holds()
+        return True
+
+    def take_held(self) -> list[tuple[Command, OnReply]]:
+        """This thread's held commands, for its transaction to carry: it passes each reply
+        to :meth:`carried` (a command whose reply never came is made again there)."""
+        trail: _Trail | None = getattr(self._local, "trail", None)
+        if trail is None or not trail.held:
+            return []
+        with trail.lock:
+            held, trail.held = trail.held, []
+            if not trail.replies:
+                with self._open_lock:
+                    self._open.discard(trail)
+        return held
+
+    def carried(self, held: list[tuple[Command, OnReply]], replies: list[Any] | None) -> None:
+        """Report the replies of ``held`` (from :meth:`take_held`) that a transaction
+        carried, as :meth:`settle_mine` reports its own; None (the transaction was refused):
+        they go out on their own, now."""
+        if replies is None:
+            trail = self._mine()
+            with trail.lock:
+                trail.held[:0] = held
+                self._send_held(trail, [])
+            return
+        for (command, on_reply), reply in zip(held, replies, strict=True):
+            if isinstance(reply, NoScriptError) or (
+                    isinstance(reply, ResponseError) and str(reply).startswith("NOSCRIPT")):
+                try:
+                    reply = self._redo(command)
+                except Exception as exc:
+                    reply = exc
+            try:
+                on_reply(reply)
+            except Exception:
+                logger.exception("taskdedup: reporting a completion failed")
+
+    def flush_mine(self) -> float | None:
+        """Send what this thread has held for :data:`HOLD_FOR` or more (replies owed, read
+        later); how many seconds until the rest is due, or None when nothing is held."""
+        trail: _Trail | None = getattr(self._local, "trail", None)
+        if trail is None or not trail.held:
+            return None
+        left = trail.held_at + HOLD_FOR - time.monotonic()
+        if left > 0:
+            return left
+        with trail.lock:
+            if trail.held:
+                self._send_held(trail, [])
+        return None
 
     def settle_mine(self) -> None:
         """Read the replies this thread owes (they have usually arrived: no waiting)."""
         trail = getattr(self._local, "trail", None)
-        if trail is not None and trail.replies:
+        if trail is not None and (trail.replies or trail.held):
             with trail.lock:
                 self._settle(trail)
 
     def settle_trail(self, trail: _Trail) -> None:
         """Read the replies ``trail`` (from :meth:`send`) owes, whichever thread asks."""
         with trail.lock:  # always: a settle in progress elsewhere ends before this returns
-            if trail.replies:
+            if trail.replies or trail.held:
                 self._settle(trail)
 
     def settle_idle(self, older_than: float = SETTLE_AFTER) -> bool:
@@ -148,6 +254,8 @@ class Trails:
         """Read ``trail``'s replies in order and report them; the connection goes back to
         the pool (a work-horse's next commands use it: no connection of its own per job).
         Caller holds ``trail.lock``."""
+        if trail.held and not self._send_held(trail, []):
+            return  # settled by the failed send
         replies, trail.replies = trail.replies, []
         with self._open_lock:
             self._open.discard(trail)
