@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import uuid
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,6 +20,7 @@ import pytest
 import redis
 from celery import signals
 
+from taskdedup import core as _core
 from taskdedup.testing import RedisServer
 from tests.workers import CeleryWorker
 
@@ -148,3 +150,34 @@ def chromium() -> str:
     found = shutil.which("chromium")
     assert found, "apt-get install chromium left no chromium on PATH"
     return found
+
+
+# -- no renewals carried from one test into the next ------------------------------------------
+
+_beats: weakref.WeakSet[Any] = weakref.WeakSet()
+_beat_init = _core.Heartbeat.__init__
+
+
+def _tracked_beat(self: Any, *args: Any, **kwargs: Any) -> None:
+    _beat_init(self, *args, **kwargs)
+    _beats.add(self)
+
+
+_core.Heartbeat.__init__ = _tracked_beat  # type: ignore[method-assign]
+
+
+@pytest.fixture(autouse=True)
+def _no_renewals_left() -> Iterator[None]:
+    """Stop renewing the locks a test claimed in this process and left running (a claim
+    without its completion, on purpose or not): their heartbeat threads would renew them,
+    and report them lost, inside a later test's window (a flake seen in CI: a WARNING counted
+    by another test). ``TASKDEDUP_TEST_RENEWALS=<file>`` writes down which tests left any."""
+    before = {(id(beat), key) for beat in list(_beats) for key in list(beat._due)}
+    yield
+    left = [(beat, key) for beat in list(_beats) for key in list(beat._due)
+            if (id(beat), key) not in before]
+    for beat, (key, owner) in left:
+        beat.remove(key, owner)
+    if left and os.environ.get("TASKDEDUP_TEST_RENEWALS"):
+        with open(os.environ["TASKDEDUP_TEST_RENEWALS"], "a") as out:
+            out.write(f"{os.environ.get('PYTEST_CURRENT_TEST', '?')}\t{len(left)}\n")
