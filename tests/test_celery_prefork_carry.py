@@ -59,6 +59,16 @@ def is_claim(line: str, claim_sha: str, task_id: str) -> bool:
     return line.startswith("SET ") and f" R||{task_id} IFEQ " in line
 
 
+def claims_and_record(lines: list[str], claim_sha: str, task_id: str
+                      ) -> tuple[list[int], int, int]:
+    """In MONITOR ``lines``: the indexes of ``task_id``'s claims, and of the ``HSET`` and
+    the ``EXEC`` of kombu's record of its message."""
+    claims = [i for i, line in enumerate(lines) if is_claim(line, claim_sha, task_id)]
+    record = next(i for i, line in enumerate(lines)
+                  if line.startswith("HSET unacked ") and task_id in line)
+    return claims, record, lines.index("EXEC", record)
+
+
 def running(rc: redis.Redis, key: str) -> bool:
     return (rc.get(key) or b"").startswith(b"R|")
 
@@ -80,10 +90,7 @@ def test_the_claim_rides_in_the_main_processs_record_and_the_pool_process_runs_t
             wait_for(lambda key=key: released(rc, key), timeout=30, what="the lock completed")
     lines = monitor.lines
     for name, (task_id, _) in zip(names, calls, strict=True):
-        claims = [i for i, line in enumerate(lines) if is_claim(line, claim_sha, task_id)]
-        record = next(i for i, line in enumerate(lines)
-                      if line.startswith("HSET unacked ") and task_id in line)
-        end = lines.index("EXEC", record)
+        claims, record, end = claims_and_record(lines, claim_sha, task_id)
         around = lines[record - 3:end + 2]
         assert claims[0] == record + 1 and lines[record - 2] == "MULTI", around
         # and no claim of its own (Redis < 7 shows a transaction's script again after EXEC)
@@ -115,10 +122,7 @@ def test_by_default_each_pool_process_claims_its_own_calls(
         plain.stop()
     lines = monitor.lines
     for name, (task_id, _) in zip(names, calls, strict=True):
-        claims = [i for i, line in enumerate(lines) if is_claim(line, claim_sha, task_id)]
-        record = next(i for i, line in enumerate(lines)
-                      if line.startswith("HSET unacked ") and task_id in line)
-        end = lines.index("EXEC", record)
+        claims, record, end = claims_and_record(lines, claim_sha, task_id)
         assert claims and not any(record - 2 <= i <= end for i in claims), \
             lines[record - 3:end + 2]
         assert claims[0] > end and len(claims) == 1, [lines[i] for i in claims]

@@ -32,6 +32,12 @@ def dedup(redis_url: str, request: pytest.FixtureRequest) -> Deduplicator:
 
 
 @pytest.fixture
+def store(dedup: Deduplicator) -> RedisStore:
+    assert isinstance(dedup.store, RedisStore)
+    return dedup.store
+
+
+@pytest.fixture
 def wakes(dedup: Deduplicator, monkeypatch: pytest.MonkeyPatch) -> Any:
     """This thread holds its completions; the wake-ups it asked for, counted. It stops
     holding at the end (what is held goes out). A held completion is due after 0.5 s
@@ -66,6 +72,15 @@ def _carry(client: redis.Redis, store: RedisStore) -> list[Any]:
     return replies[1:]
 
 
+def _held_call(dedup: Deduplicator) -> tuple[RedisStore, str, str]:
+    """A fresh call claimed and finished with its completion held: (store, key, owner)."""
+    store = dedup.store
+    assert isinstance(store, RedisStore)
+    key, owner = claimed_call(dedup, NAME, POLICY, uuid.uuid4().hex)
+    dedup.finish(NAME, POLICY, key, owner, success=True, later=True, hold=True)
+    return store, key, owner
+
+
 def _done(client: redis.Redis, key: str, owner: str) -> bool:
     return client.get(key) == f"D||{owner}".encode()
 
@@ -73,16 +88,13 @@ def _done(client: redis.Redis, key: str, owner: str) -> bool:
 def test_a_thread_that_does_not_hold_sends_at_once(
     dedup: Deduplicator, redis_client: redis.Redis
 ) -> None:
-    key, owner = claimed_call(dedup, NAME, POLICY, uuid.uuid4().hex)
-    dedup.finish(NAME, POLICY, key, owner, success=True, later=True, hold=True)
+    _, key, owner = _held_call(dedup)
     assert _done(redis_client, key, owner)
 
 
 def test_a_held_completion_rides_the_next_transaction(
-    dedup: Deduplicator, redis_client: redis.Redis, wakes: list[int]
+    dedup: Deduplicator, store: RedisStore, redis_client: redis.Redis, wakes: list[int]
 ) -> None:
-    store = dedup.store
-    assert isinstance(store, RedisStore)
     seen = _events(dedup)
     calls = [claimed_call(dedup, NAME, POLICY, uuid.uuid4().hex) for _ in range(2)]
     for key, owner in calls:
@@ -101,10 +113,7 @@ def test_a_held_completion_rides_the_next_transaction(
 def test_a_held_completion_not_carried_goes_out_on_its_own_after_hold_for(
     dedup: Deduplicator, redis_client: redis.Redis, wakes: list[int]
 ) -> None:
-    store = dedup.store
-    assert isinstance(store, RedisStore)
-    key, owner = claimed_call(dedup, NAME, POLICY, uuid.uuid4().hex)
-    dedup.finish(NAME, POLICY, key, owner, success=True, later=True, hold=True)
+    store, key, owner = _held_call(dedup)
     left = store.flush_held()
     assert left is not None and 0 < left <= 0.5  # not due yet: still held
     assert redis_client.get(key) == f"R||{owner}".encode()
@@ -136,20 +145,16 @@ def test_a_send_of_this_thread_takes_what_it_holds_first(
 ) -> None:
     """A claim this thread makes on its own goes out behind the completions it holds: the
     server runs them first, as the worker sent them."""
-    key, owner = claimed_call(dedup, NAME, POLICY, uuid.uuid4().hex)
-    dedup.finish(NAME, POLICY, key, owner, success=True, later=True, hold=True)
+    store, key, owner = _held_call(dedup)
     claimed_call(dedup, NAME, POLICY, uuid.uuid4().hex)  # the next task's claim
     assert _done(redis_client, key, owner)
-    assert dedup.store.flush_held() is None  # type: ignore[attr-defined]
+    assert store.flush_held() is None
 
 
 def test_a_refused_transaction_sends_the_held_completions_at_once(
     dedup: Deduplicator, redis_client: redis.Redis, wakes: list[int]
 ) -> None:
-    store = dedup.store
-    assert isinstance(store, RedisStore)
-    key, owner = claimed_call(dedup, NAME, POLICY, uuid.uuid4().hex)
-    dedup.finish(NAME, POLICY, key, owner, success=True, later=True, hold=True)
+    store, key, owner = _held_call(dedup)
     held = store.carry_held()
     assert len(held) == 1
     store.held_replies(held, None)  # the carrier's transaction was refused as a whole
@@ -159,9 +164,8 @@ def test_a_refused_transaction_sends_the_held_completions_at_once(
 def test_stopping_to_hold_sends_what_is_held(
     dedup: Deduplicator, redis_client: redis.Redis, wakes: list[int]
 ) -> None:
-    key, owner = claimed_call(dedup, NAME, POLICY, uuid.uuid4().hex)
-    dedup.finish(NAME, POLICY, key, owner, success=True, later=True, hold=True)
-    dedup.store.hold_here(None)  # type: ignore[attr-defined]
+    store, key, owner = _held_call(dedup)
+    store.hold_here(None)
     assert _done(redis_client, key, owner)
     other, owner2 = claimed_call(dedup, NAME, POLICY, uuid.uuid4().hex)
     dedup.finish(NAME, POLICY, other, owner2, success=True, later=True, hold=True)
@@ -169,13 +173,10 @@ def test_stopping_to_hold_sends_what_is_held(
 
 
 def test_a_lock_lost_before_its_carried_completion_is_reported(
-    dedup: Deduplicator, redis_client: redis.Redis, wakes: list[int]
+    dedup: Deduplicator, store: RedisStore, redis_client: redis.Redis, wakes: list[int]
 ) -> None:
-    store = dedup.store
-    assert isinstance(store, RedisStore)
     seen = _events(dedup)
-    key, owner = claimed_call(dedup, NAME, POLICY, uuid.uuid4().hex)
-    dedup.finish(NAME, POLICY, key, owner, success=True, later=True, hold=True)
+    store, key, owner = _held_call(dedup)
     redis_client.set(key, "R||someone-else")  # its lease lapsed, another call took it
     _carry(redis_client, store)
     assert redis_client.get(key) == b"R||someone-else"  # a former owner writes nothing
