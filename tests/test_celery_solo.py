@@ -58,19 +58,24 @@ def deliver(rc: redis.Redis) -> None:
 
 
 class Monitor:
-    """The server's MONITOR stream, in a thread, while the block runs."""
+    """The server's MONITOR stream, in a thread, while the block runs: every command the
+    server ran until the block ended (read up to an ``ECHO`` of a word of its own, so a
+    reader that lags behind the server still gets every line before it)."""
 
     def __init__(self, client: redis.Redis) -> None:
         self.client = client
         self.lines: list[str] = []
-        self._stop = threading.Event()
+        self._end = f"monitor-end-{uuid.uuid4().hex}"
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         with self.client.monitor() as monitor:
             self._ready.set()
-            while not self._stop.is_set():
-                self.lines.append(monitor.next_command()["command"])
+            while True:
+                command = monitor.next_command()["command"]
+                if command.endswith(self._end):
+                    return
+                self.lines.append(command)
 
     def __enter__(self) -> Monitor:
         self._ready = threading.Event()
@@ -79,9 +84,9 @@ class Monitor:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self.client.ping()  # one more command, so the thread sees the flag
-        self._thread.join(10)
+        self.client.echo(self._end)  # the stream's last line: the thread reads up to it
+        self._thread.join(30)
+        assert not self._thread.is_alive(), "MONITOR did not show the end of the block"
 
 
 def is_claim(line: str, claim_sha: str, task_id: str) -> bool:
