@@ -559,6 +559,7 @@ class Deduplicator:
                 if outcome is not Outcome.OK:  # ``completed`` was said at the send
                     self._completed(name, policy, key, owner, outcome)
 
+            # ``hold`` only when asked: a store of its own may take no such argument
             if complete_later(key, owner, ttl_ms, report, finished_ms=finished_ms,
                               **({"hold": True} if hold else {})):
                 # said now, inside the task's span and logs; a lock found gone when the reply
