@@ -52,6 +52,10 @@ app.conf.update(
         "visibility_timeout": VISIBILITY,
         "unacked_restore_interval": 1,
         "unacked_restore_throttle": 1,
+        # kombu holds this mutex while it restores; a worker SIGKILLed holding it blocks every
+        # restore for its expiry (300 s by default), in this test and the ones after it on the
+        # same Redis: the tests kill workers on kombu's fetch, so keep it short
+        "unacked_mutex_expire": 10,
         **({"master_name": os.environ["TASKDEDUP_TEST_MASTER_NAME"]}
            if os.environ.get("TASKDEDUP_TEST_MASTER_NAME") else {}),
     },
