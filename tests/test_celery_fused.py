@@ -130,6 +130,62 @@ def test_a_plain_task_published_first_does_not_cost_the_gated_ones_a_round_trip(
         app.close()
 
 
+def test_a_gated_publish_declares_its_queue_once_per_connection(
+    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Celery asks every publish to declare its queue; kombu binds, ensures, and only then
+    finds it declared (~25 µs a publish). taskdedup's producers look in kombu's cache first:
+    the first gated publish to a queue declares it (its messages are routed), the next ones
+    do not go through kombu's declare, and a queue new to the connection is declared."""
+    import kombu.messaging
+
+    queue, other = f"declared-{uuid.uuid4().hex[:8]}", f"other-{uuid.uuid4().hex[:8]}"
+    app, plain, task = realistic_app(redis_url, queue)
+    declared: list[str] = []
+    kombus = kombu.messaging.maybe_declare
+
+    def counting(entity: Any, *args: Any, **kwargs: Any) -> Any:
+        declared.append(getattr(entity, "name", ""))
+        return kombus(entity, *args, **kwargs)
+
+    monkeypatch.setattr(kombu.messaging, "maybe_declare", counting)
+    try:
+        for x in range(3):
+            task.delay(x)
+        task.apply_async((9,), queue=other)
+        assert declared.count(queue) == 1 and declared.count(other) == 1
+        assert redis_client.llen(queue) == 3 and redis_client.llen(other) == 1
+        plain.delay(0)  # plain Celery keeps kombu's producer: kombu's declare, every time
+        plain.delay(1)
+        assert declared.count(queue) == 3
+    finally:
+        redis_client.delete(queue, other)
+        app.close()
+
+
+def test_a_declared_producer_on_a_closed_channel_declares_as_kombu_does(redis_url: str) -> None:
+    """A channel closed since the last declare is kombu's case: its error, not ours."""
+    from kombu import Connection, Producer, Queue
+
+    from taskdedup.celery.producers import DeclaredProducer
+
+    with Connection(redis_url, transport=RedisTransport) as conn:
+        ours, kombus = DeclaredProducer(conn), Producer(conn)
+        queue = Queue(f"closed-{uuid.uuid4().hex[:8]}")
+        assert ours.maybe_declare(queue) is True  # declared now
+        assert ours.maybe_declare(queue) is False  # cached
+        assert ours.channel is kombus.channel
+        channel = ours.channel
+        transport, channel.connection = channel.connection, None
+        try:
+            with pytest.raises(Exception) as kombu_error:
+                kombus.maybe_declare(queue)
+            with pytest.raises(kombu_error.type):
+                ours.maybe_declare(queue)
+        finally:
+            channel.connection = transport
+
+
 def test_a_fresh_app_on_a_redis_broker_publishes_gated_tasks_in_one_round_trip(
     redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:

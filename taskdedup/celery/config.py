@@ -18,7 +18,6 @@ from typing import Any
 
 import redis
 from celery import Celery
-from kombu import pools
 
 from .. import stats
 from ..core import DEFAULT_PREFIX, Deduplicator
@@ -30,6 +29,7 @@ from ..stores.owners import compact_setting
 from ..stores.redis import RedisStore
 from . import _compat
 from .fetch import DEFAULT_LEASE, DEFAULT_POLL
+from .producers import producer_pool
 from .transport import SENTINEL_TRANSPORT, TRANSPORT, RedisTransport, SentinelTransport
 
 __all__ = ["fused_producer", "fuses", "get_deduplicator", "own_store", "reliable_fetch",
@@ -270,8 +270,8 @@ def fused_producer(app: Celery, producer: Any = None) -> AbstractContextManager[
 
     ``producer`` when it is on :class:`RedisTransport`; else one of the app's own producers
     when its ``broker_transport`` is ours; else one of taskdedup's producer pool on
-    :class:`RedisTransport` to the app's broker (kombu's public ``pools.producers``, made
-    again after a fork).
+    :class:`RedisTransport` to the app's broker (:func:`.producers.producer_pool`, made again
+    after a fork).
     """
     if producer is not None and isinstance(_compat.transport_of(producer), RedisTransport):
         return nullcontext(producer)
@@ -289,8 +289,8 @@ def fused_producer(app: Celery, producer: Any = None) -> AbstractContextManager[
         # TLS as kombu decides it for this URL with its own transport (a bare rediss:// gets
         # kombu's default there, and would get none with a transport named otherwise).
         tls = app.connection_for_write().ssl or None
-        pool = pools.producers[app.connection_for_write(transport=RedisTransport, ssl=tls)]
-        pool.limit = app.pool.limit
+        pool = producer_pool(app.connection_for_write(transport=RedisTransport, ssl=tls),
+                             app.pool.limit)
         held = app.__dict__["_taskdedup_producers"] = (pid, pool)
     return held[1].acquire(block=True, timeout=route[1])  # type: ignore[no-any-return]
 
