@@ -32,8 +32,8 @@ from .fetch import DEFAULT_LEASE, DEFAULT_POLL
 from .producers import producer_pool
 from .transport import SENTINEL_TRANSPORT, TRANSPORT, RedisTransport, SentinelTransport
 
-__all__ = ["fused_producer", "fuses", "get_deduplicator", "own_store", "reliable_fetch",
-           "say_fetch_path", "say_publish_path", "use_reliable_fetch"]
+__all__ = ["fused_producer", "fuses", "get_deduplicator", "own_producer", "own_store",
+           "reliable_fetch", "say_fetch_path", "say_publish_path", "use_reliable_fetch"]
 
 
 def get_deduplicator(app: Celery) -> Deduplicator:
@@ -268,31 +268,58 @@ def _bare_rediss(app: Celery) -> bool:
 def fused_producer(app: Celery, producer: Any = None) -> AbstractContextManager[Any]:
     """A producer whose channel runs the fused push, for one gated publish.
 
-    ``producer`` when it is on :class:`RedisTransport`; else one of the app's own producers
-    when its ``broker_transport`` is ours; else one of taskdedup's producer pool on
-    :class:`RedisTransport` to the app's broker (:func:`.producers.producer_pool`, made again
-    after a fork).
+    ``producer`` when it is on :class:`RedisTransport` (or, in an app whose
+    ``broker_transport`` is ours, whatever producer the caller gave); else one of taskdedup's
+    own producers (:func:`own_producer`), on :class:`RedisTransport` to the app's broker.
     """
     if producer is not None and isinstance(_compat.transport_of(producer), RedisTransport):
         return nullcontext(producer)
+    route = _route(app)
+    if route[0]:
+        if producer is not None:
+            return app.producer_or_acquire(producer)  # type: ignore[no-any-return]
+        return own_producer(app)
+    return _acquire(app, "_taskdedup_producers", _fused_connection)
+
+
+def own_producer(app: Celery, producer: Any = None) -> AbstractContextManager[Any]:
+    """``producer`` when given, else one of taskdedup's producers over the app's own pool of
+    broker connections (``app.pool``, no connection more): kombu's, but a queue is declared
+    once per connection (:class:`.producers.DeclaredProducer`); made again after a fork."""
+    if producer is not None:
+        return nullcontext(producer)
+    return _acquire(app, "_taskdedup_app_producers", lambda app: app.connection_for_write())
+
+
+def _route(app: Celery) -> tuple[bool, float | None]:
+    """Whether the app's ``broker_transport`` is ours, and its pool acquire timeout: read
+    once per app (a settings lookup costs microseconds per publish)."""
     route: tuple[bool, float | None] | None = app.__dict__.get("_taskdedup_route")
-    if route is None:  # read once per app: a settings lookup costs microseconds per publish
+    if route is None:
         transport = app.conf.broker_transport
         route = app.__dict__["_taskdedup_route"] = (
             transport is RedisTransport or transport == TRANSPORT,
             app.conf.get("broker_pool_acquire_timeout"))  # a setting of Celery 5.7 only
-    if route[0]:
-        return app.producer_or_acquire(producer)  # type: ignore[no-any-return]
-    held: tuple[int, Any] | None = app.__dict__.get("_taskdedup_producers")
+    return route
+
+
+def _fused_connection(app: Celery) -> Any:
+    """The app's broker connection on :class:`RedisTransport`, with TLS as kombu decides it
+    for this URL with its own transport (a bare rediss:// gets kombu's default there, and
+    would get none with a transport named otherwise)."""
+    tls = app.connection_for_write().ssl or None
+    return app.connection_for_write(transport=RedisTransport, ssl=tls)
+
+
+def _acquire(app: Celery, slot: str, connection: Any) -> AbstractContextManager[Any]:
+    """A producer of the app's pool kept in ``slot`` (made for this process from
+    ``connection(app)``, over kombu's shared pool of its connections)."""
+    held: tuple[int, Any] | None = app.__dict__.get(slot)
     pid = os.getpid()
     if held is None or held[0] != pid:
-        # TLS as kombu decides it for this URL with its own transport (a bare rediss:// gets
-        # kombu's default there, and would get none with a transport named otherwise).
-        tls = app.connection_for_write().ssl or None
-        pool = producer_pool(app.connection_for_write(transport=RedisTransport, ssl=tls),
-                             app.pool.limit)
-        held = app.__dict__["_taskdedup_producers"] = (pid, pool)
-    return held[1].acquire(block=True, timeout=route[1])  # type: ignore[no-any-return]
+        held = app.__dict__[slot] = (pid, producer_pool(connection(app), app.pool.limit))
+    return held[1].acquire(  # type: ignore[no-any-return]
+        block=True, timeout=_route(app)[1])
 
 
 KOMBU_VISIBILITY_TIMEOUT = 3600.0

@@ -71,7 +71,7 @@ from ._message import (
     request_header,
 )
 from .batch import BATCH, Deferred
-from .config import fused_producer, fuses, get_deduplicator, visibility_timeout
+from .config import fused_producer, fuses, get_deduplicator, own_producer, visibility_timeout
 from .result import DedupResult
 from .transport import FUSED, Fused, RedisTransport
 
@@ -324,7 +324,7 @@ class DedupTask(Task):  # type: ignore[misc]
 
         gated: _compat.GatedProducer | None = None
         try:
-            with self.app.producer_or_acquire(producer) as acquired:
+            with own_producer(self.app, producer) as acquired:
                 gated = _compat.GatedProducer(acquired, decide)
                 handle = publish(task_id, headers, gated)
         except BaseException:
