@@ -130,17 +130,23 @@ def test_a_plain_task_published_first_does_not_cost_the_gated_ones_a_round_trip(
         app.close()
 
 
+@pytest.mark.parametrize("setup", ["default", "transport", "apart"])
 def test_a_gated_publish_declares_its_queue_once_per_connection(
-    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch, setup: str
 ) -> None:
     """Celery asks every publish to declare its queue; kombu binds, ensures, and only then
     finds it declared (~25 µs a publish). taskdedup's producers look in kombu's cache first:
     the first gated publish to a queue declares it (its messages are routed), the next ones
-    do not go through kombu's declare, and a queue new to the connection is declared."""
+    do not go through kombu's declare, and a queue new to the connection is declared. So on
+    a default app, one whose ``broker_transport`` is ours, and one whose locks live apart."""
     import kombu.messaging
 
     queue, other = f"declared-{uuid.uuid4().hex[:8]}", f"other-{uuid.uuid4().hex[:8]}"
     app, plain, task = realistic_app(redis_url, queue)
+    if setup == "transport":
+        app.conf.broker_transport = "taskdedup.celery:RedisTransport"
+    elif setup == "apart":
+        app.conf.taskdedup_url = redis_url  # a store of its own: the gate's own round trip
     declared: list[str] = []
     kombus = kombu.messaging.maybe_declare
 
