@@ -724,24 +724,36 @@ class DedupTask(Task):  # type: ignore[misc]
         request = self.request
         setattr(request, TRACED_ATTR, True)  # the tracer's call, not a direct one
         policy = self._dedup_policy
-        raw = request_header(request)
-        if policy is None or is_disabled() or is_off(raw, self.name):
+        if policy is None:
             return
         dedup = get_deduplicator(self.app)
-        key = self._carried(dedup, policy, raw, task_id)
-        check = carried_check(raw, self.name) if key is not None else ""
-        duplicate = marked(raw, self.name)
-        if duplicate is not None:  # found at enqueue, published anyway (workflow, retry)
-            logger.debug("taskdedup: skipped %s[%s]: a duplicate of %s found when it was "
-                         "published", self.name, task_id, duplicate[0])
-            self._skip(request, key, duplicate[0], None, workflow=duplicate[1])
-            return
-        reserved = key is not None
-        if key is None:  # sent by name, or from a client without taskdedup: nothing reserved
-            key = dedup.identity(self.name, policy, args, kwargs, func=self._func()).key
-        generation, follow_up = _flow_generation(policy, raw, self.name)
-        sent, early = None, ahead[0]
-        if early is not None:
+        early = ahead[0]
+        if early is not None and early[0] == self.name and early[2] is dedup:
+            # sent ahead from this very message's header, read as this task's moments ago
+            # (claimed_ahead.send_ahead: not off, not a marked duplicate, its key one this
+            # task makes, no debounce or coalesce): the claim to read, nothing to parse again
+            ahead[0] = None
+            key, sent, generation, follow_up = early[1].key, early[1], None, False
+            check, reserved = "", True  # the check is the sent claim's already
+            setattr(request, AHEAD_ATTR, True)
+        else:
+            raw = request_header(request)
+            if is_disabled() or is_off(raw, self.name):
+                return
+            key = self._carried(dedup, policy, raw, task_id)
+            check = carried_check(raw, self.name) if key is not None else ""
+            duplicate = marked(raw, self.name)
+            if duplicate is not None:  # found at enqueue, published anyway (workflow, retry)
+                logger.debug("taskdedup: skipped %s[%s]: a duplicate of %s found when it was "
+                             "published", self.name, task_id, duplicate[0])
+                self._skip(request, key, duplicate[0], None, workflow=duplicate[1])
+                return
+            reserved = key is not None
+            if key is None:  # sent by name, or from a client without taskdedup: no reservation
+                key = dedup.identity(self.name, policy, args, kwargs, func=self._func()).key
+            generation, follow_up = _flow_generation(policy, raw, self.name)
+            sent = None
+        if early is not None and sent is None:
             ahead[0] = None
             if generation is None and early[1].key == key and early[2] is dedup:
                 sent = early[1]
