@@ -130,7 +130,7 @@ def test_a_plain_task_published_first_does_not_cost_the_gated_ones_a_round_trip(
         app.close()
 
 
-@pytest.mark.parametrize("setup", ["default", "transport", "apart"])
+@pytest.mark.parametrize("setup", ["default", "transport", "apart", "announced"])
 def test_a_gated_publish_declares_its_queue_once_per_connection(
     redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch, setup: str
 ) -> None:
@@ -138,7 +138,9 @@ def test_a_gated_publish_declares_its_queue_once_per_connection(
     finds it declared (~25 µs a publish). taskdedup's producers look in kombu's cache first:
     the first gated publish to a queue declares it (its messages are routed), the next ones
     do not go through kombu's declare, and a queue new to the connection is declared. So on
-    a default app, one whose ``broker_transport`` is ours, and one whose locks live apart."""
+    a default app, one whose ``broker_transport`` is ours, one whose locks live apart, and
+    one whose publishes are announced (a ``before_task_publish`` receiver: the gate first,
+    then Celery's publish)."""
     import kombu.messaging
 
     queue, other = f"declared-{uuid.uuid4().hex[:8]}", f"other-{uuid.uuid4().hex[:8]}"
@@ -147,6 +149,14 @@ def test_a_gated_publish_declares_its_queue_once_per_connection(
         app.conf.broker_transport = "taskdedup.celery:RedisTransport"
     elif setup == "apart":
         app.conf.taskdedup_url = redis_url  # a store of its own: the gate's own round trip
+    elif setup == "announced":
+        from celery.signals import before_task_publish
+
+        def receiver(**_: Any) -> None:
+            pass
+
+        before_task_publish.connect(receiver, weak=False)
+        app.__dict__["_test_receiver"] = receiver
     declared: list[str] = []
     kombus = kombu.messaging.maybe_declare
 
@@ -165,6 +175,10 @@ def test_a_gated_publish_declares_its_queue_once_per_connection(
         plain.delay(1)
         assert declared.count(queue) == 3
     finally:
+        if setup == "announced":
+            from celery.signals import before_task_publish
+
+            before_task_publish.disconnect(app.__dict__["_test_receiver"])
         redis_client.delete(queue, other)
         app.close()
 

@@ -182,9 +182,15 @@ class DedupTask(Task):  # type: ignore[misc]
         ) -> Any:
             if headers is not None:
                 options["headers"] = headers
-            handle = super(DedupTask, self).apply_async(
-                args, kwargs, task_id, producer, link, link_error, shadow, **options
-            )
+            if producer is None and not options.get("connection"):
+                # one of taskdedup's producers over the app's pool, not one of Celery's: the
+                # queue is declared once per connection (producers.DeclaredProducer)
+                with own_producer(self.app) as chosen:
+                    handle = super(DedupTask, self).apply_async(
+                        args, kwargs, task_id, chosen, link, link_error, shadow, **options)
+            else:
+                handle = super(DedupTask, self).apply_async(
+                    args, kwargs, task_id, producer, link, link_error, shadow, **options)
             if isinstance(handle, DedupResult) and headers is not None:
                 ours = headers.get(HEADER)  # made below, with this task's key
                 handle.lock_key = ours.get("key") if isinstance(ours, dict) else None
