@@ -23,7 +23,7 @@ from .. import stats
 from ..core import DEFAULT_PREFIX, Deduplicator
 from ..events import logger
 from ..exceptions import ConfigurationError
-from ..pids import ForkSafeLock
+from ..pids import ForkSafeLock, pid
 from ..stores.base import Store
 from ..stores.owners import compact_setting
 from ..stores.redis import RedisStore
@@ -315,9 +315,9 @@ def _acquire(app: Celery, slot: str, connection: Any) -> AbstractContextManager[
     """A producer of the app's pool kept in ``slot`` (made for this process from
     ``connection(app)``, over kombu's shared pool of its connections)."""
     held: tuple[int, Any] | None = app.__dict__.get(slot)
-    pid = os.getpid()
-    if held is None or held[0] != pid:
-        held = app.__dict__[slot] = (pid, producer_pool(connection(app), app.pool.limit))
+    current = pid()  # os.getpid() is a system call: this one is refreshed at each fork
+    if held is None or held[0] != current:
+        held = app.__dict__[slot] = (current, producer_pool(connection(app), app.pool.limit))
     return held[1].acquire(  # type: ignore[no-any-return]
         block=True, timeout=_route(app)[1])
 
