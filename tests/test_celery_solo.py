@@ -147,13 +147,16 @@ def holding_worker(redis_url: str, capp: Any) -> Iterator[CeleryWorker]:
 
 def _run_staged(rc: redis.Redis, redis_url: str, queue: str,
                 calls: list[tuple[str, str]], names: list[str]) -> list[str]:
-    """Deliver the staged calls to ``queue``; the MONITOR lines until each ran and its lock
-    completed."""
+    """Deliver the staged calls to ``queue``; the MONITOR lines until each ran, its lock
+    completed and its message was acked (an ``acks_late`` one's ack follows its completion)."""
     with Monitor(redis.Redis.from_url(redis_url)) as monitor:
         rc.rename(STAGE, queue)
-        for name, (_, key) in zip(names, calls, strict=True):
+        for name, (task_id, key) in zip(names, calls, strict=True):
             wait_for(lambda name=name: recorded(rc, name), timeout=30, what="the body ran")
             wait_for(lambda key=key: released(rc, key), timeout=30, what="the lock completed")
+            wait_for(lambda task_id=task_id: not any(
+                task_id.encode() in record for record in rc.hvals("unacked")),
+                timeout=30, what="the message acked")
     return monitor.lines
 
 
