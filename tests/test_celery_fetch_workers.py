@@ -377,7 +377,15 @@ def test_a_fetch_reply_lost_with_its_connection_puts_the_message_back(
                 proxy.cut_next_reply()
                 label = name("c")
                 labels.append(label)
-                assert fapp.work.apply_async((label,), queue=queue).get(timeout=60) == label
+                handle = fapp.work.apply_async((label,), queue=queue)
+                # read with GET, not the backend's pub/sub: a failure names the stored state,
+                # the cuts, what the worker holds and its log (lost, hung or a missed message)
+                def about(label: str = label) -> str:
+                    return (f"cuts {proxy.cuts}, ran {ran(rc, label)}, queue {rc.llen(queue)}, "
+                            f"held {held(rc)}")
+
+                assert stored_result(fapp.app, handle.id, worker, timeout=60,
+                                     about=about) == label
             runs = {label: ran(rc, label) for label in labels}
             said = (f"reply cuts: {proxy.cuts}; reconnections: "
                     f"{worker.output().count('Connection to broker lost')}; runs: {runs}")
