@@ -144,19 +144,18 @@ def test_a_gated_publish_declares_its_queue_once_per_connection(
     import kombu.messaging
 
     queue, other = f"declared-{uuid.uuid4().hex[:8]}", f"other-{uuid.uuid4().hex[:8]}"
+    from celery.signals import before_task_publish
+
+    def receiver(**_: Any) -> None:
+        pass
+
     app, plain, task = realistic_app(redis_url, queue)
     if setup == "transport":
         app.conf.broker_transport = "taskdedup.celery:RedisTransport"
     elif setup == "apart":
         app.conf.taskdedup_url = redis_url  # a store of its own: the gate's own round trip
     elif setup == "announced":
-        from celery.signals import before_task_publish
-
-        def receiver(**_: Any) -> None:
-            pass
-
         before_task_publish.connect(receiver, weak=False)
-        app.__dict__["_test_receiver"] = receiver
     declared: list[str] = []
     kombus = kombu.messaging.maybe_declare
 
@@ -175,10 +174,7 @@ def test_a_gated_publish_declares_its_queue_once_per_connection(
         plain.delay(1)
         assert declared.count(queue) == 3
     finally:
-        if setup == "announced":
-            from celery.signals import before_task_publish
-
-            before_task_publish.disconnect(app.__dict__["_test_receiver"])
+        before_task_publish.disconnect(receiver)  # connected or not
         redis_client.delete(queue, other)
         app.close()
 

@@ -274,12 +274,12 @@ def fused_producer(app: Celery, producer: Any = None) -> AbstractContextManager[
     """
     if producer is not None and isinstance(_compat.transport_of(producer), RedisTransport):
         return nullcontext(producer)
-    route = _route(app)
-    if route[0]:
+    ours, timeout = _route(app)
+    if ours:
         if producer is not None:
             return app.producer_or_acquire(producer)  # type: ignore[no-any-return]
-        return own_producer(app)
-    return _acquire(app, "_taskdedup_producers", _fused_connection)
+        return _acquire(app, "_taskdedup_app_producers", _app_connection, timeout)
+    return _acquire(app, "_taskdedup_producers", _fused_connection, timeout)
 
 
 def own_producer(app: Celery, producer: Any = None) -> AbstractContextManager[Any]:
@@ -288,7 +288,7 @@ def own_producer(app: Celery, producer: Any = None) -> AbstractContextManager[An
     once per connection (:class:`.producers.DeclaredProducer`); made again after a fork."""
     if producer is not None:
         return nullcontext(producer)
-    return _acquire(app, "_taskdedup_app_producers", lambda app: app.connection_for_write())
+    return _acquire(app, "_taskdedup_app_producers", _app_connection, _route(app)[1])
 
 
 def _route(app: Celery) -> tuple[bool, float | None]:
@@ -303,6 +303,11 @@ def _route(app: Celery) -> tuple[bool, float | None]:
     return route
 
 
+def _app_connection(app: Celery) -> Any:
+    """The app's broker connection, as the app's own pool (``app.pool``) is keyed."""
+    return app.connection_for_write()
+
+
 def _fused_connection(app: Celery) -> Any:
     """The app's broker connection on :class:`RedisTransport`, with TLS as kombu decides it
     for this URL with its own transport (a bare rediss:// gets kombu's default there, and
@@ -311,15 +316,16 @@ def _fused_connection(app: Celery) -> Any:
     return app.connection_for_write(transport=RedisTransport, ssl=tls)
 
 
-def _acquire(app: Celery, slot: str, connection: Any) -> AbstractContextManager[Any]:
+def _acquire(app: Celery, slot: str, connection: Any, timeout: float | None
+             ) -> AbstractContextManager[Any]:
     """A producer of the app's pool kept in ``slot`` (made for this process from
-    ``connection(app)``, over kombu's shared pool of its connections)."""
+    ``connection(app)``, over kombu's shared pool of its connections); ``timeout``: the
+    app's pool acquire timeout (:func:`_route`)."""
     held: tuple[int, Any] | None = app.__dict__.get(slot)
     current = pid()  # os.getpid() is a system call: this one is refreshed at each fork
     if held is None or held[0] != current:
         held = app.__dict__[slot] = (current, producer_pool(connection(app), app.pool.limit))
-    return held[1].acquire(  # type: ignore[no-any-return]
-        block=True, timeout=_route(app)[1])
+    return held[1].acquire(block=True, timeout=timeout)  # type: ignore[no-any-return]
 
 
 KOMBU_VISIBILITY_TIMEOUT = 3600.0
