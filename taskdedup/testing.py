@@ -52,9 +52,13 @@ def wait_for(
 
 
 def stop_worker(process: subprocess.Popen[bytes] | subprocess.Popen[str],
-                timeout: float = 30.0) -> int:
+                timeout: float = 45.0) -> int:
     """Stop a worker started in a subprocess (``celery worker``, ``rq worker``): SIGTERM, a
     warm shutdown that lets a running task finish, and its exit code.
+
+    The default ``timeout`` is longer than billiard's own 30 s wait: on Celery 5.3-5.6, a
+    prefork pool process whose last result was in flight as the pool closed waits that long
+    for the main process to read it (which it no longer does) before it exits.
 
     One still running after ``timeout`` seconds is sent SIGABRT: started with
     ``PYTHONFAULTHANDLER=1`` in its environment, Python prints every thread's stack to its

@@ -4,7 +4,6 @@ tests read back: which bodies ran, what is held where."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 from collections.abc import Iterable
 
@@ -46,18 +45,6 @@ class FetchWorker(CeleryWorker):
                 stdin=subprocess.DEVNULL, start_new_session=True,
             )
         return self
-
-    def warm_stop(self) -> None:
-        """Celery's warm shutdown as an operator asks for it: SIGTERM to the main process only
-        (:meth:`stop` signals the whole group, which kills prefork children mid-task)."""
-        assert self.process is not None
-        if self.process.poll() is None:
-            os.kill(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=self.stop_timeout)
-            except subprocess.TimeoutExpired:
-                self._stuck()  # its stacks and log on stderr, its group killed
-                raise
 
     @property
     def pid(self) -> int:

@@ -5,8 +5,6 @@ back from the broker and must tell the superseded ones by their generation alone
 
 from __future__ import annotations
 
-import os
-import signal
 import uuid
 from typing import Any
 
@@ -88,9 +86,7 @@ def test_a_warm_restart_runs_a_follow_up_once_with_the_latest_arguments(
         # a warm shutdown as an operator sends it: SIGTERM to the main process, which lets its
         # pool processes finish what they hold (a SIGTERM to the whole group killed one
         # mid-copy: WorkerLostError stored for the follow-up's id, Celery 5.3 in CI)
-        assert own.process is not None
-        os.kill(own.process.pid, signal.SIGTERM)
-        own.process.wait(timeout=own.stop_timeout)
+        own.warm_stop()
         own.start()
         rc.set(f"go:{name}", 1)
         assert first.get(timeout=30) == 0

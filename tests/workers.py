@@ -110,6 +110,12 @@ class WorkerProcess:
               f"of its log:\n{self.output()[-8000:]}", file=sys.stderr)
 
 
+WARM_STOP_TIMEOUT = 45.0
+"""Seconds a prefork worker's warm shutdown may take: Celery 5.3-5.6 drop the pool's record
+of a task whose result is in flight when the pool closes, so its result is never read, and
+billiard's pool process waits 30 s for it to be read before it exits (Celery 5.7 reads it)."""
+
+
 class CeleryWorker(WorkerProcess):
     """``celery -A tests.celery_app worker`` (prefork) in its own process group.
 
@@ -141,6 +147,20 @@ class CeleryWorker(WorkerProcess):
 
     def ready(self) -> bool:
         return " ready." in self.output()[self.log_start:]
+
+    def warm_stop(self) -> None:
+        """Celery's warm shutdown as an operator asks for it: SIGTERM to the main process only
+        (:meth:`stop` signals the whole group, which kills prefork pool processes mid-task);
+        one that does not end within :data:`WARM_STOP_TIMEOUT` has its stacks and log
+        printed, and the test fails."""
+        assert self.process is not None
+        if self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=max(self.stop_timeout, WARM_STOP_TIMEOUT))
+            except subprocess.TimeoutExpired:
+                self._stuck()  # its stacks and log on stderr, its group killed
+                raise
 
 
 class RqWorker(WorkerProcess):
