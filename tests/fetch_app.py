@@ -91,9 +91,24 @@ def ran(label: str) -> list[str]:
     return [x.decode() for x in r().lrange(f"fetch:ran:{label}", 0, -1)]
 
 
-@app.task
-def work(label: str, seconds: float = 0.0) -> str:
-    r().rpush(f"fetch:ran:{label}", os.getpid())
+def started(task: Any, label: str) -> None:
+    """Record this run: its process in ``fetch:ran:<label>``, and the worker's node name and
+    the time in ``fetch:started:<label>`` (what a warm-shutdown test tells a copy by)."""
+    with r().pipeline(transaction=False) as pipe:
+        pipe.rpush(f"fetch:ran:{label}", os.getpid())
+        pipe.rpush(f"fetch:started:{label}", f"{task.request.hostname} {time.time():.6f}")
+        pipe.execute()
+
+
+def starts(label: str) -> list[tuple[str, float]]:
+    """Where (the worker's node name) and when each run of ``label`` started, in order."""
+    return [(node, float(at)) for node, at in (
+        x.decode().rsplit(" ", 1) for x in r().lrange(f"fetch:started:{label}", 0, -1))]
+
+
+@app.task(bind=True)
+def work(self: Any, label: str, seconds: float = 0.0) -> str:
+    started(self, label)
     if seconds:
         time.sleep(seconds)
     return label
@@ -142,9 +157,9 @@ def fails(label: str) -> None:
     raise RuntimeError(label)
 
 
-@app.task(base=DedupTask, dedup=Policy(mode="until_executed", ttl=60, lease=20))
-def gated(label: str, seconds: float = 0.0) -> str:
-    r().rpush(f"fetch:ran:{label}", os.getpid())
+@app.task(base=DedupTask, dedup=Policy(mode="until_executed", ttl=60, lease=20), bind=True)
+def gated(self: Any, label: str, seconds: float = 0.0) -> str:
+    started(self, label)
     if seconds:
         time.sleep(seconds)
     return label

@@ -171,10 +171,17 @@ def test_workers_with_and_without_the_reliable_fetch_share_a_queue(
 def test_warm_shutdowns_at_random_moments_lose_nothing_and_copy_nothing(
     fapp: Any, rc: redis.Redis, redis_url: str
 ) -> None:
-    """Two workers take a stream of tasks (a third with a countdown) while one or the other
-    is stopped (SIGTERM to its main process: Celery's warm shutdown, which finishes the tasks
-    it runs) at random moments and started again: what a stopping worker held and had not
-    started goes back to the head of its queue; every task runs once."""
+    """Two workers take a stream of tasks, plain and gated (a third with a countdown), while
+    one or the other is stopped (SIGTERM to its main process: Celery's warm shutdown, which
+    finishes the tasks it runs) at random moments and started again: what a stopping worker
+    held and had not started goes back to the head of its queue; nothing is lost, and no
+    gated body runs twice.
+
+    A plain task may run once more where Celery itself loses its outcome: a task a prefork
+    pool process started just as the pool closed, before the main process read that it
+    started, is dropped from the pool's record (``AsynPool.flush``), so its message is never
+    acked and comes back (at least once, on kombu's fetch too). Only that copy is allowed: the
+    first run started on the stopping worker, within moments of its SIGTERM."""
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
     queue = name("warm")
@@ -182,27 +189,42 @@ def test_warm_shutdowns_at_random_moments_lose_nothing_and_copy_nothing(
         FetchWorker(redis_url, queue=queue, pool="prefork", concurrency=2),
         FetchWorker(redis_url, queue=queue, pool="solo")])
     sent: list[tuple[str, Any]] = []
-    stops = 0
+    gated: set[str] = set()
+    stopped: list[tuple[str, float]] = []  # (the worker's node, when it was sent SIGTERM)
     try:
         next_stop = time.monotonic() + rng.uniform(1.0, 2.5)
-        while len(sent) < 150 or stops < 4:  # the stream goes on until the fourth stop
+        while len(sent) < 150 or len(stopped) < 4:  # the stream goes on until the fourth stop
             label = name("s")
             countdown = rng.uniform(0.5, 3.0) if rng.random() < 0.3 else None
-            sent.append((label, fapp.work.apply_async((label, rng.uniform(0, 0.1)),
-                                                       queue=queue, countdown=countdown)))
+            task = fapp.work
+            if rng.random() < 0.5:
+                task = fapp.gated
+                gated.add(label)
+            sent.append((label, task.apply_async((label, rng.uniform(0, 0.1)), queue=queue,
+                                                 countdown=countdown)))
             time.sleep(rng.uniform(0, 0.06))  # the pace of the stream, not a wait
-            if time.monotonic() >= next_stop and stops < 4:
+            if time.monotonic() >= next_stop and len(stopped) < 4:
                 worker = rng.choice(workers)
+                stopped.append((worker.node, time.time()))
                 worker.warm_stop()
-                stops += 1
                 worker.start()
                 next_stop = time.monotonic() + rng.uniform(1.0, 2.5)
         for label, handle in sent:
             assert handle.get(timeout=60) == label, f"seed {seed}"
         counts = {label: ran(rc, label) for label, _ in sent}
-        print(f"\nwarm shutdowns: seed {seed}, {stops} stops, {len(sent)} tasks")
-        assert stops == 4
-        assert {label: n for label, n in counts.items() if n != 1} == {}, f"seed {seed}"
+        print(f"\nwarm shutdowns: seed {seed}, {len(stopped)} stops, {len(sent)} tasks "
+              f"({len(gated)} gated); ran more than once: "
+              f"{ {label: n for label, n in counts.items() if n != 1} }")
+
+        def dropped_by_celery(label: str) -> bool:
+            (node, at), *_ = fapp.starts(label)
+            return any(node.startswith(f"{stopped_node}@") and -1.0 <= at - sigterm <= 3.0
+                       for stopped_node, sigterm in stopped)
+
+        assert {label: n for label, n in counts.items() if label in gated and n != 1} == {}, \
+            f"seed {seed}"
+        assert {label: n for label, n in counts.items() if label not in gated and n != 1
+                and not (n == 2 and dropped_by_celery(label))} == {}, f"seed {seed}"
         wait_for(lambda: held(rc) == 0, timeout=10, what="every message acked")
         assert unacked(rc) == 0
         live = {w.pid for w in workers}

@@ -138,9 +138,14 @@ class CeleryWorker(WorkerProcess):
         return [
             sys.executable, "-m", "celery", "-A", self.app_module, "worker",
             "-P", self.pool, "-c", str(self.concurrency), "-Q", self.queue,
-            "-n", f"{self.queue}-{os.getpid()}-{id(self)}@%h",
+            "-n", f"{self.node}@%h",
             "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "INFO",
         ]
+
+    @property
+    def node(self) -> str:
+        """The node name's part before ``@`` (``request.hostname`` starts with it)."""
+        return f"{self.queue}-{os.getpid()}-{id(self)}"
 
     def environment(self) -> dict[str, str]:
         return {**super().environment(), "TASKDEDUP_TEST_QUEUE": self.queue}
