@@ -90,7 +90,20 @@ def test_a_warm_restart_runs_a_follow_up_once_with_the_latest_arguments(
         own.start()
         rc.set(f"go:{name}", 1)
         assert first.get(timeout=30) == 0
-        assert later[0].get(timeout=30) == 3
+        # read until SUCCESS: on Celery 5.3-5.6 a warm stop that dropped a put-off copy's
+        # record stores WorkerLostError ("exitcode 0") for the follow-up's id after billiard's
+        # 30 s wait (docs/explanation/failures.md); the follow-up's run stores over it
+        meta: dict[str, Any] = {}
+
+        def succeeded() -> bool:
+            meta.update(capp.app.backend.get_task_meta(later[0].id, cache=False))
+            return meta.get("status") == "SUCCESS"
+
+        try:
+            wait_for(succeeded, timeout=30, interval=0.1, what="the follow-up's outcome")
+        except TimeoutError:
+            raise AssertionError(f"the follow-up did not succeed: {meta}") from None
+        assert meta["result"] == 3
         wait_for(lambda: rc.llen(QUEUE) == 0 and rc.hlen("unacked") == 0, timeout=30,
                  interval=0.1, what="the workers settle")
         assert recorded(rc, name) == ["start0", "end0", "start3", "end3"]
