@@ -184,3 +184,62 @@ def test_a_child_forked_while_the_parents_heartbeat_thread_settles_can_send_at_o
         return replies == [b"PONG"]
 
     assert child_runs_while_held(trails._open_lock, send)
+
+
+def _counted_takes(store: RedisStore) -> list[int]:
+    """Count the connections the store's trails take from the pool."""
+    trails = store._trails
+    assert trails is not None
+    takes: list[int] = []
+    take = trails._take
+
+    def counted() -> object:
+        takes.append(1)
+        return take()
+
+    trails._take = counted
+    return takes
+
+
+@pytest.mark.parametrize("keep", [True, False], ids=["pool-process", "work-horse"])
+def test_a_worker_process_keeps_its_connection_between_tasks(
+    dedup: Deduplicator, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch,
+    keep: bool,
+) -> None:
+    """A prefork pool process (``keep_connections``, from ``worker_process_init``) sends each
+    task's claim and completion on one connection it keeps: no pool checkout per task. A
+    process forked per job gives it back after each read, as before."""
+    from taskdedup.stores import trail
+
+    monkeypatch.setattr(trail, "_KEEP_IN", [0])
+    if keep:
+        trail.keep_connections()
+    store = dedup.store
+    assert isinstance(store, RedisStore)
+    takes = _counted_takes(store)
+    for _ in range(5):
+        key, owner = _run_body(dedup, uuid.uuid4().hex)
+        dedup.finish(NAME, POLICY, key, owner, success=True, later=True)
+    _run_body(dedup, uuid.uuid4().hex)  # reads the last completion's reply
+    assert redis_client.get(key) == f"D||{owner}".encode()
+    assert len(takes) == (1 if keep else 6)
+
+
+def test_a_kept_connection_that_breaks_is_replaced_and_nothing_is_lost(
+    dedup: Deduplicator, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from taskdedup.stores import trail
+
+    monkeypatch.setattr(trail, "_KEEP_IN", [0])
+    trail.keep_connections()
+    seen = _events(dedup)
+    key, owner = _run_body(dedup, uuid.uuid4().hex)
+    dedup.finish(NAME, POLICY, key, owner, success=True, later=True)
+    _run_body(dedup, uuid.uuid4().hex)  # its reply read; the connection kept
+    redis_client.client_kill_filter(_type="normal", skipme=True)  # the kept one too
+    key, owner = _run_body(dedup, uuid.uuid4().hex)
+    assert redis_client.get(key) == f"R||{owner}".encode()
+    dedup.finish(NAME, POLICY, key, owner, success=True, later=True)
+    wait_for(lambda: [e for e in seen if e.event is Event.COMPLETED and e.task_id == owner],
+             timeout=5, what="the completion on the new connection")
+    assert redis_client.get(key) == f"D||{owner}".encode()

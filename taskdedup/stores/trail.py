@@ -35,7 +35,7 @@ from redis.exceptions import NoScriptError, RedisError, ResponseError
 from ..pids import ForkSafeLock, pid
 from .base import SETTLE_AFTER
 
-__all__ = ["HOLD_FOR", "Trails", "settle_all"]
+__all__ = ["HOLD_FOR", "Trails", "keep_connections", "settle_all"]
 
 logger = logging.getLogger("taskdedup")
 
@@ -44,6 +44,19 @@ OnReply = Callable[[Any], None]
 """Called with the reply, or with the exception :data:`Trails.redo` raised."""
 
 _ALL: weakref.WeakSet[Trails] = weakref.WeakSet()
+
+_KEEP_IN = [0]
+"""The process whose trails keep their connection between settles (:func:`keep_connections`),
+0 for none: a fork does not inherit it."""
+
+
+def keep_connections() -> None:
+    """Let this process's trails keep their connection once their replies are read, instead
+    of giving it back to the pool: a long-lived worker process (a prefork pool process) then
+    takes no connection from the pool, and checks none for unread data, per task. Not for a
+    process forked per job (an RQ work-horse), whose next commands should reuse the pool's
+    connection rather than open one more."""
+    _KEEP_IN[0] = pid()
 
 HOLD_FOR = 0.002
 """Seconds a held completion waits for a transaction to carry it before it goes out on its
@@ -252,8 +265,9 @@ class Trails:
 
     def _settle(self, trail: _Trail) -> None:
         """Read ``trail``'s replies in order and report them; the connection goes back to
-        the pool (a work-horse's next commands use it: no connection of its own per job).
-        Caller holds ``trail.lock``."""
+        the pool (a work-horse's next commands use it: no connection of its own per job),
+        unless this process keeps it (:func:`keep_connections`). Caller holds
+        ``trail.lock``."""
         if trail.held and not self._send_held(trail, []):
             return  # settled by the failed send
         replies, trail.replies = trail.replies, []
@@ -280,7 +294,10 @@ class Trails:
             except Exception as exc:
                 answers.append(exc)
         if conn is not None:
-            self._give_back(conn)
+            if broken or _KEEP_IN[0] != trail.pid:
+                self._give_back(conn)
+            else:  # a worker process's next task sends on it again (keep_connections)
+                trail.conn = conn
         for (_, on_reply), answer in zip(replies, answers, strict=True):
             try:
                 on_reply(answer)
