@@ -17,6 +17,7 @@ import redis
 
 from taskdedup import Deduplicator, Policy, RedisStore
 from taskdedup.events import DedupEvent, Event
+from taskdedup.stores import trail
 from taskdedup.testing import wait_for
 from tests.claims import claimed_call
 from tests.forking import child_runs_while_held
@@ -209,8 +210,6 @@ def test_a_worker_process_keeps_its_connection_between_tasks(
     """A prefork pool process (``keep_connections``, from ``worker_process_init``) sends each
     task's claim and completion on one connection it keeps: no pool checkout per task. A
     process forked per job gives it back after each read, as before."""
-    from taskdedup.stores import trail
-
     monkeypatch.setattr(trail, "_KEEP_IN", [0])
     if keep:
         trail.keep_connections()
@@ -228,8 +227,6 @@ def test_a_worker_process_keeps_its_connection_between_tasks(
 def test_a_kept_connection_that_breaks_is_replaced_and_nothing_is_lost(
     dedup: Deduplicator, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from taskdedup.stores import trail
-
     monkeypatch.setattr(trail, "_KEEP_IN", [0])
     trail.keep_connections()
     seen = _events(dedup)

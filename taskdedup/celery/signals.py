@@ -259,6 +259,8 @@ def _on_worker_setup(sender: Any = None, instance: Any = None, **_: Any) -> None
 
 signals.worker_init.connect(_on_worker_init, weak=False)
 signals.celeryd_after_setup.connect(_on_worker_setup, weak=False)
+
+
 def _on_process_init(**_: Any) -> None:
     """A prefork pool process starts: it runs task after task, so the connection its
     claims and completions go out on stays its own between tasks."""
@@ -266,6 +268,8 @@ def _on_process_init(**_: Any) -> None:
 
 
 signals.worker_process_init.connect(_on_process_init, weak=False)
+
+
 # Pool processes exit without atexit handlers: flush the last counts explicitly.
 def _on_process_shutdown(**_: Any) -> None:
     """A pool process ends: read the completion replies it owes (their reports count in

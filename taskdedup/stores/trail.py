@@ -58,6 +58,7 @@ def keep_connections() -> None:
     connection rather than open one more."""
     _KEEP_IN[0] = pid()
 
+
 HOLD_FOR = 0.002
 """Seconds a held completion waits for a transaction to carry it before it goes out on its
 own (:meth:`Trails.flush_mine`): about two round trips of a busy worker's next fetch."""
