@@ -386,10 +386,12 @@ d = Path({tmp!r})
 with transaction.atomic():
     with effects(key="k-race") as fx:
         fx.result = {{"by": "holder"}}
-        (d / "claimed").write_text(json.dumps(fx.first))
+        (d / "claimed.tmp").write_text(json.dumps(fx.first))
+        (d / "claimed.tmp").replace(d / "claimed")  # whole when it appears
         while not (d / "commit").exists():
             time.sleep(0.02)
-    (d / "committing").write_text(repr(time.time()))
+    (d / "committing.tmp").write_text(repr(time.time()))
+    (d / "committing.tmp").replace(d / "committing")
 print(json.dumps("committed"))
 """
 
@@ -399,7 +401,8 @@ from pathlib import Path
 from django.db import transaction
 from taskdedup.django import effects
 d = Path({tmp!r})
-(d / "claiming").write_text(repr(time.time()))
+(d / "claiming.tmp").write_text(repr(time.time()))
+(d / "claiming.tmp").replace(d / "claiming")  # whole when it appears
 with transaction.atomic():
     with effects(key="k-race") as fx:
         print(json.dumps([fx.first, fx.result, time.time()]))
