@@ -23,7 +23,7 @@ from typing import Any
 
 from . import approximate
 from .approximate import Probe
-from .events import Counters, DedupEvent, Event, Events, logger
+from .events import Counters, Event, Events, logger
 from .exceptions import (
     ConfigurationError,
     DuplicateTaskError,
@@ -711,7 +711,7 @@ class Deduplicator:
         self, event: Event, name: str, key: str, owner: str | None,
         existing_id: str | None = None, detail: str | None = None, seconds: float | None = None,
     ) -> None:
-        self.events.emit(DedupEvent(event, name, key, owner, existing_id, detail, seconds))
+        self.events.record(event, name, key, owner, existing_id, detail, seconds)
 
 
 _STATE_WORDS = {LockState.QUEUED: "queued", LockState.RUNNING: "running", LockState.DONE: "done",

@@ -7,16 +7,19 @@ an exception in a listener is logged and never reaches the task or the caller.
 from __future__ import annotations
 
 import logging
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
 from .pids import ForkSafeLock
 
-__all__ = ["Counters", "DedupEvent", "Event", "Events", "Listener", "logger"]
+__all__ = ["FOLD_AT", "Counters", "DedupEvent", "Event", "Events", "Fields", "Listener", "logger"]
 
 logger = logging.getLogger("taskdedup")
+
+FOLD_AT = 256
+"""Events an in-process counter keeps before it counts them (bounded memory between reads)."""
 # A library logs, the application decides where it goes: without this, Python's last-resort
 # handler would print our WARNINGs to stderr in apps that configured no logging. Levels:
 # DEBUG for each dropped, replaced or skipped duplicate (they are counted: watch the counts),
@@ -77,15 +80,26 @@ class DedupEvent:
 
 Listener = Callable[[DedupEvent], None]
 
+Fields = tuple[Event, str, str, "str | None", "str | None", "str | None", "float | None"]
+"""One event's fields, in :class:`DedupEvent`'s order: what a counting listener's ``tally``
+gets, with no event object made for it."""
+
 
 class Events:
     """The listeners of one :class:`~taskdedup.core.Deduplicator`, and the process-wide ones
-    every Deduplicator calls too (:meth:`add_everywhere`: an instrumentor that knows no app)."""
+    every Deduplicator calls too (:meth:`add_everywhere`: an instrumentor that knows no app).
+
+    A listener that only counts (:class:`Counters`, :class:`~taskdedup.stats.StatsRecorder`)
+    may have a ``tally(fields)`` method: it is called with the event's :data:`Fields`
+    instead, and where every listener is such a one no :class:`DedupEvent` is made — the
+    worker and the publisher make one or two events each call."""
 
     _everywhere: tuple[Listener, ...] = ()
 
     def __init__(self) -> None:
         self._listeners: tuple[Listener, ...] = ()
+        self._tallies: tuple[Callable[[Fields], None], ...] = ()
+        self._full: tuple[Listener, ...] = ()  # the listeners called with a DedupEvent
 
     @classmethod
     def add_everywhere(cls, listener: Listener) -> Listener:
@@ -99,14 +113,51 @@ class Events:
 
     def add(self, listener: Listener) -> Listener:
         """Register ``listener`` (usable as a decorator); returns it."""
-        self._listeners = (*self._listeners, listener)
+        self._sort((*self._listeners, listener))
         return listener
 
     def remove(self, listener: Listener) -> None:
-        self._listeners = tuple(x for x in self._listeners if x is not listener)
+        self._sort(tuple(x for x in self._listeners if x is not listener))
+
+    def _sort(self, listeners: tuple[Listener, ...]) -> None:
+        tallies = tuple(getattr(x, "tally", None) for x in listeners)
+        self._full = tuple(x for x, tally in zip(listeners, tallies, strict=True)
+                           if not callable(tally))
+        self._tallies = tuple(tally for tally in tallies if callable(tally))
+        self._listeners = listeners
+
+    def record(self, event: Event, task: str, key: str, task_id: str | None = None,
+               existing_id: str | None = None, detail: str | None = None,
+               seconds: float | None = None) -> None:
+        """Emit one event from its fields (the core's hot path): a :class:`DedupEvent` is
+        made only for listeners that take one."""
+        fields = (event, task, key, task_id, existing_id, detail, seconds)
+        for tally in self._tallies:
+            try:
+                tally(fields)
+            except Exception:  # a listener must never break a task
+                logger.exception("taskdedup event listener %r failed", tally)
+        everywhere = Events._everywhere
+        full = self._full + everywhere if everywhere else self._full
+        if full:
+            self._call(full, DedupEvent(*fields))
 
     def emit(self, event: DedupEvent) -> None:
-        for listener in self._listeners + Events._everywhere:
+        """Emit ``event`` to every listener."""
+        if self._tallies:
+            fields = (event.event, event.task, event.key, event.task_id, event.existing_id,
+                      event.detail, event.seconds)
+            for tally in self._tallies:
+                try:
+                    tally(fields)
+                except Exception:  # a listener must never break a task
+                    logger.exception("taskdedup event listener %r failed", tally)
+        everywhere = Events._everywhere
+        self._call(self._full + everywhere if everywhere else self._full, event)
+
+    @staticmethod
+    def _call(listeners: tuple[Listener, ...], event: DedupEvent) -> None:
+        for listener in listeners:
             try:
                 listener(event)
             except Exception:  # a listener must never break a task
@@ -114,25 +165,46 @@ class Events:
 
 
 class Counters:
-    """In-process counts per (task, event): no Redis round trip, read with :meth:`snapshot`."""
+    """In-process counts per (task, event): no Redis round trip, read with :meth:`snapshot`.
+
+    An event is kept in a queue as it comes (an append, no lock: the worker's and the
+    publisher's hot paths), and counted when the counts are read or every
+    :data:`FOLD_AT` events."""
 
     def __init__(self) -> None:
         # a forked child (an RQ work-horse) counts at once: never a lock that a thread of the
         # parent (its heartbeat, reporting a lost lease) held at the fork
         self._lock = ForkSafeLock()
         self._counts: Counter[tuple[str, Event]] = Counter()
+        self._seen: deque[tuple[str, Event]] = deque()
 
     def __call__(self, event: DedupEvent) -> None:
-        with self._lock:
-            self._counts[(event.task, event.event)] += 1
+        self.tally((event.event, event.task))
+
+    def tally(self, fields: Fields | tuple[Event, str]) -> None:
+        """Count one event from its fields (:meth:`Events.record`)."""
+        seen = self._seen
+        seen.append((fields[1], fields[0]))
+        if len(seen) >= FOLD_AT:
+            with self._lock:
+                self._fold()
+
+    def _fold(self) -> None:
+        """Count the events kept so far (under ``_lock``; an event appended meanwhile is
+        counted now or by the next fold, never twice: each is taken out once)."""
+        seen, counts = self._seen, self._counts
+        while seen:
+            counts[seen.popleft()] += 1
 
     def get(self, event: Event, task: str | None = None) -> int:
         with self._lock:
+            self._fold()
             return sum(n for (t, e), n in self._counts.items() if e is event and task in (None, t))
 
     def snapshot(self) -> dict[str, dict[str, int]]:
         """``{task: {event: count}}``."""
         with self._lock:
+            self._fold()
             out: dict[str, dict[str, int]] = {}
             for (task, event), n in self._counts.items():
                 out.setdefault(task, {})[event.value] = n
@@ -140,4 +212,5 @@ class Counters:
 
     def reset(self) -> None:
         with self._lock:
+            self._seen.clear()
             self._counts.clear()

@@ -8,10 +8,12 @@ Celery or RQ: it only holds the value.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextvars import ContextVar, Token
 from dataclasses import dataclass
+from functools import partial
 
-__all__ = ["Running", "current", "enter", "leave"]
+__all__ = ["Running", "current", "enter", "enter_later", "leave"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,21 +34,29 @@ class Running:
     (Celery on Redis/SQS: ``visibility_timeout`` plus the lease); None: not by time."""
 
 
-_CURRENT: ContextVar[Running | None] = ContextVar("taskdedup_running", default=None)
+_Entered = Running | partial[Running] | None
+_CURRENT: ContextVar[_Entered] = ContextVar("taskdedup_running", default=None)
 
 
 def current() -> Running | None:
     """The task running in this context, or ``None`` outside a gated task."""
-    return _CURRENT.get()
+    value = _CURRENT.get()
+    return value() if type(value) is partial else value  # type: ignore[return-value]
 
 
-def enter(running: Running | None) -> Token[Running | None]:
+def enter(running: Running | None) -> Token[_Entered]:
     """Mark ``running`` as the task of this context (None: no task, e.g. a direct call
     without an identity, which must not see its caller's); pass the token to :func:`leave`."""
     return _CURRENT.set(running)
 
 
-def leave(token: Token[Running | None] | None = None) -> None:
+def enter_later(make: Callable[..., Running], *args: object) -> Token[_Entered]:
+    """:func:`enter` the task ``make(*args)`` returns, made only if :func:`current` asks
+    for it: a worker enters one per task, and few bodies ask."""
+    return _CURRENT.set(partial(make, *args))
+
+
+def leave(token: Token[_Entered] | None = None) -> None:
     """End the current task: restore what was before ``token``, or clear it."""
     if token is not None:
         try:

@@ -36,17 +36,17 @@ import re
 import threading
 import time
 import weakref
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 import redis
 
-from .events import DedupEvent, Event, logger
+from .events import FOLD_AT, DedupEvent, Event, Fields, logger
 from .exceptions import ConfigurationError
 from .locks import glob_escape, key_bytes, key_text
-from .pids import pid
+from .pids import _PID, pid
 from .stores.redis import RedisStore, describe_client
 
 if TYPE_CHECKING:
@@ -89,7 +89,6 @@ _SKIPPED_STATES: Final = {"Q": "queued", "R": "running", "D": "done", "F": "fini
 _GATE_FIELDS: Final = tuple(f"gate:le_{bound}ms" for bound in GATE_BUCKETS_MS)
 _GATE_BOUNDS_US: Final = tuple(bound * 1000 for bound in GATE_BUCKETS_MS)
 _INTEGER: Final = re.compile(rb"-?[0-9]{1,19}")
-_FOLD_AT: Final = 256  # events kept before they are counted (bounded memory between flushes)
 
 
 def stats_key(prefix: str, task: str) -> str:
@@ -178,7 +177,7 @@ class StatsRecorder:
         self._lock = threading.Lock()
         self._flush_lock = threading.Lock()
         self._pending: dict[str, Counter[str]] = {}
-        self._raw: list[DedupEvent] = []  # events not counted yet (_fold)
+        self._raw: deque[Fields] = deque()  # events not counted yet (_fold)
         self._pid = pid()
         self._thread: threading.Thread | None = None
         self._wanted = False  # a thread was due while held (hold_threads)
@@ -189,31 +188,57 @@ class StatsRecorder:
     # -- the listener (hot path) ----------------------------------------------------------
 
     def __call__(self, event: DedupEvent) -> None:
-        # The hot path only keeps the event (immutable); they are counted in batches, by
-        # the flush or every _FOLD_AT events: a publish or a task pays an append, not the
-        # dozen counter updates a measured gate makes.
-        with self._lock:
-            raw = self._raw
-            raw.append(event)
-            if len(raw) >= _FOLD_AT:
+        self.tally((event.event, event.task, event.key, event.task_id, event.existing_id,
+                    event.detail, event.seconds))
+
+    def tally(self, fields: Fields) -> None:
+        """Keep one event's fields (:meth:`~taskdedup.events.Events.record`)."""
+        # The hot path only keeps the fields; they are counted in batches, by the flush or
+        # every FOLD_AT events: a publish or a task pays an append (to a deque: no lock; the
+        # fold takes each event out once), not the dozen counter updates a measured gate
+        # makes.
+        raw = self._raw
+        raw.append(fields)
+        if len(raw) >= FOLD_AT:
+            with self._lock:
                 self._fold()
-        if self._thread is None or self._pid != pid():
+        if self._pid != _PID[0] or self._thread is None:
             self._start_thread()
 
     def _fold(self) -> None:
         """Count the kept events into the pending deltas (under ``_lock``)."""
-        raw, self._raw = self._raw, []
+        raw: list[Fields] = []
+        take = self._raw.popleft
+        try:
+            while True:
+                raw.append(take())
+        except IndexError:
+            pass
         sums: Counter[str] = Counter()
         kinds: Counter[tuple[str, Event, str | None, int]] = Counter()
-        for event in raw:
+        # most events carry no latency (a worker's): counted in one C pass
+        unmeasured = [(task, kind, detail) for kind, task, _, _, _, detail, seconds in raw
+                      if seconds is None]
+        slow: list[tuple[str, Event, str | None, Any]]
+        try:
+            counted = Counter(unmeasured)
+            slow = []
+        except TypeError:  # an unhashable detail: each counted on its own, below
+            counted, slow = Counter(), [(*event, None) for event in unmeasured]
+        for (task, kind, detail), n in counted.items():
+            kinds[task, kind, detail, -1] += n
+        if len(unmeasured) < len(raw):
+            slow += [(task, kind, detail, seconds)
+                     for kind, task, _, _, _, detail, seconds in raw if seconds is not None]
+        for task, kind, detail, seconds in slow:
             try:
-                micros = _micros(event.seconds)
-                kinds[event.task, event.event, event.detail, _bucket(micros)] += 1
+                micros = _micros(seconds)
+                kinds[task, kind, detail, _bucket(micros)] += 1
             except Exception:  # a malformed event (not one the core emits) is not counted
                 logger.debug("taskdedup: stats left out a malformed event", exc_info=True)
                 continue
             if micros >= 0:
-                sums[event.task] += micros
+                sums[task] += micros
         pending = self._pending
         for (task, kind, detail, bucket), n in kinds.items():
             counts = pending.get(task)

@@ -888,6 +888,115 @@ def test_counters_count_per_task_and_event(dedup: Deduplicator) -> None:
     assert c.snapshot() == {}
 
 
+class Tally:
+    """A counting listener: ``tally(fields)``, never a DedupEvent."""
+
+    def __init__(self) -> None:
+        self.fields: list[tuple[Any, ...]] = []
+
+    def __call__(self, event: DedupEvent) -> None:  # pragma: no cover - tally is used
+        raise AssertionError("a listener with tally() is called with the fields")
+
+    def tally(self, fields: tuple[Any, ...]) -> None:
+        self.fields.append(fields)
+
+
+def test_counting_listeners_get_the_fields_and_no_event_object_is_made_for_them(
+    dedup: Deduplicator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker's and publisher's hot path: where every listener only counts (the core's
+    Counters, the stats recorder), no DedupEvent is made; one that takes events gets it."""
+    import taskdedup.events as events_module
+
+    made: list[DedupEvent] = []
+
+    class Made(DedupEvent):
+        __slots__ = ()
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(events_module, "DedupEvent", Made)
+    tally = Tally()
+    dedup.events.add(tally)
+    p = Policy()
+    identity = ident(dedup, p, 1)
+    dedup.gate(TASK, p, identity, A)
+    dedup.start(TASK, p, identity.key, A)
+    dedup.finish(TASK, p, identity.key, A, success=True)
+    assert [f[:4] for f in tally.fields] == [(Event.RESERVED, TASK, identity.key, A),
+                                             (Event.CLAIMED, TASK, identity.key, A),
+                                             (Event.COMPLETED, TASK, identity.key, A)]
+    assert all(len(f) == 7 for f in tally.fields)
+    assert made == []
+    assert dedup.counters.get(Event.CLAIMED, TASK) == 1
+    rec = Recorder()
+    dedup.events.add(rec)
+    dedup.gate(TASK, p, ident(dedup, p, 2), B)
+    assert [e.event for e in rec.events] == [Event.RESERVED] and made == rec.events
+    assert len(tally.fields) == 4
+    dedup.events.remove(tally)
+    dedup.gate(TASK, p, ident(dedup, p, 3), B)
+    assert len(tally.fields) == 4 and len(rec.events) == 2
+
+
+def test_a_raising_tally_is_logged_and_the_other_listeners_still_count(
+    dedup: Deduplicator, caplog: pytest.LogCaptureFixture
+) -> None:
+    class Broken(Tally):
+        def tally(self, fields: tuple[Any, ...]) -> None:
+            raise RuntimeError("tally bug")
+
+    dedup.events.add(Broken())
+    rec = Recorder()
+    dedup.events.add(rec)
+    p = Policy()
+    with caplog.at_level(logging.ERROR, logger="taskdedup"):
+        assert dedup.gate(TASK, p, ident(dedup, p, 1), A).verdict is Verdict.ACCEPTED
+    assert [e.event for e in rec.events] == [Event.RESERVED]
+    assert dedup.counters.get(Event.RESERVED, TASK) == 1
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and isinstance(errors[0].exc_info[1], RuntimeError)
+
+
+def test_counters_keep_at_most_a_batch_of_events_uncounted() -> None:
+    """Counters keep events to count them in batches: never more than FOLD_AT of them,
+    and every one counted once."""
+    from taskdedup.events import FOLD_AT, Counters
+
+    counters = Counters()
+    for i in range(FOLD_AT * 3 + 7):
+        counters(DedupEvent(Event.CLAIMED if i % 2 else Event.COMPLETED, TASK, "k"))
+        assert len(counters._seen) < FOLD_AT
+    assert counters.get(Event.CLAIMED, TASK) == (FOLD_AT * 3 + 7) // 2
+    assert counters.get(Event.COMPLETED) == FOLD_AT * 3 + 7 - (FOLD_AT * 3 + 7) // 2
+
+
+def test_a_running_identity_entered_later_is_made_when_asked_for() -> None:
+    """A worker enters its task's identity without making it (most bodies never ask):
+    :func:`taskdedup.running.current` makes it, and leave restores what was before."""
+    from taskdedup import running
+
+    asked: list[str] = []
+
+    def make(task_id: str) -> running.Running:
+        asked.append(task_id)
+        return running.Running(TASK, task_id, "k", 60.0, redelivery=3660.0)
+
+    outer = running.enter(running.Running("app.outer", "o", "ko", 1.0))
+    token = running.enter_later(make, "t-1")
+    try:
+        assert asked == []
+        assert running.current() == running.Running(TASK, "t-1", "k", 60.0, redelivery=3660.0)
+        assert asked == ["t-1"]
+    finally:
+        running.leave(token)
+    assert running.current() == running.Running("app.outer", "o", "ko", 1.0)
+    running.leave(outer)
+    assert running.current() is None
+
+
 # -- heartbeat against the real Redis ------------------------------------------------------
 
 

@@ -54,8 +54,7 @@ from __future__ import annotations
 import functools
 import inspect
 import time
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 from kombu.transport import redis as kombu_redis
@@ -581,9 +580,9 @@ def _append_carrying(qos: Any, append: Callable[[Any, Any], Any], message: Any,
     A transaction that is refused as a whole (a command refused as it is queued) is sent
     again without them, kombu's commands as kombu wrote them, and nothing more is carried
     on this channel; the claim then goes out when it is read, the completions at once."""
-    # a partial of one module-level context manager: a decorated closure per message would
-    # cost a functools.wraps per task
-    qos.pipe_or_acquire = functools.partial(_pipe_carrying, qos, load, carrying, [])
+    # a partial of one module-level class: a decorated closure per message would cost a
+    # functools.wraps per task
+    qos.pipe_or_acquire = functools.partial(_PipeCarrying, qos, load, carrying, [])
     try:
         return append(message, delivery_tag)
     finally:
@@ -591,19 +590,30 @@ def _append_carrying(qos: Any, append: Callable[[Any, Any], Any], message: Any,
         load.refused()  # carried nothing (kombu failed first): the completions go out
 
 
-@contextmanager
-def _pipe_carrying(qos: Any, load: _Load, carrying: list[bool], taken: list[Any],
-                   pipe: Any = None, client: Any = None) -> Iterator[Any]:
+class _PipeCarrying:
     """kombu's ``pipe_or_acquire(pipe, client)`` for one :func:`_append_carrying`: the first
-    pipeline it makes (``taken``) carries ``load``."""
-    carrier = pipe is None and not taken
-    if carrier and client is None:
-        client = _kept_client(qos.channel)
-    with type(qos).pipe_or_acquire(qos, pipe, client) as made:
-        if carrier:
-            taken.append(made)
-            made.execute = _carrier(made, load, carrying)
-        yield made
+    pipeline it makes (``taken``) carries ``load``. A class rather than a generator context
+    manager: it is entered once per message."""
+
+    __slots__ = ("_carrier", "_carrying", "_inner", "_load", "_taken")
+
+    def __init__(self, qos: Any, load: _Load, carrying: list[bool], taken: list[Any],
+                 pipe: Any = None, client: Any = None) -> None:
+        self._carrier = pipe is None and not taken
+        if self._carrier and client is None:
+            client = _kept_client(qos.channel)
+        self._inner = type(qos).pipe_or_acquire(qos, pipe, client)
+        self._load, self._carrying, self._taken = load, carrying, taken
+
+    def __enter__(self) -> Any:
+        made = self._inner.__enter__()
+        if self._carrier:
+            self._taken.append(made)
+            made.execute = _carrier(made, self._load, self._carrying)
+        return made
+
+    def __exit__(self, *exc_info: Any) -> Any:
+        return self._inner.__exit__(*exc_info)
 
 
 def _kept_client(channel: Any) -> Any:

@@ -46,6 +46,7 @@ from typing import Any
 
 from celery import bootsteps
 from celery.worker.request import Request
+from vine.abstract import Thenable
 
 from ..events import logger
 from ..exceptions import StoreUnavailableError
@@ -166,6 +167,8 @@ class ClaimAhead(bootsteps.StartStopStep):  # type: ignore[misc]
                          "fork after worker_init")
             return
 
+        sweep = _Sweep()
+
         def before_append(message: Any, carry: bool) -> Any | None:
             headers = getattr(message, "headers", None)
             if not isinstance(headers, Mapping) or headers.get("eta"):
@@ -184,7 +187,8 @@ class ClaimAhead(bootsteps.StartStopStep):  # type: ignore[misc]
             # which takes the claim to hand it over) before the loop's next turn; a claim
             # still unread then had no body (revoked or expired on arrival, a message that
             # does not decode): give it back
-            hub.call_soon(abandon, task_id)
+            sweep.ids.append(task_id)
+            hub.call_soon(sweep)
             return sent if getattr(sent, "command", None) is not None else None
 
         held = None if prefork or not_carried else _hold_completions(app, hub)
@@ -220,6 +224,27 @@ class ClaimAhead(bootsteps.StartStopStep):  # type: ignore[misc]
                 held.stop()
             except Exception:  # the heartbeat thread or the exit sends them instead
                 logger.debug("taskdedup: could not send the held completions", exc_info=True)
+
+
+class _Sweep:
+    """The event loop's callback, on its next turn, that gives back the claims sent ahead
+    (:class:`ClaimAhead`) that no body or request took (:func:`abandon`). One object per
+    consumer, scheduled again for each message: kombu's hub keeps its callbacks in a set, so
+    it runs once a turn, and kombu wraps no promise around it (a ``Thenable``) — a promise per
+    message cost more Python than anything else the claim sent ahead does."""
+
+    __slots__ = ("ids",)
+
+    def __init__(self) -> None:
+        self.ids: list[str | None] = []
+
+    def __call__(self) -> None:
+        ids, self.ids = self.ids, []
+        for task_id in ids:
+            abandon(task_id)
+
+
+Thenable.register(_Sweep)
 
 
 def _hold_completions(app: Any, hub: Any) -> _compat.Held | None:

@@ -705,29 +705,31 @@ class DedupTask(Task):  # type: ignore[misc]
     def before_start(self, task_id: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
         """Claim the running lock (:meth:`_claim_start`), then take the task's limits: a
         skipped duplicate takes no slot (SPEC §16)."""
-        self._claim_start(task_id, args, kwargs)
+        self._claim_start(task_id, args, kwargs, self.request)
         if self._dedup_limits:
             task_limits.enter(self, task_id, args, kwargs)
 
-    def _claim_start(self, task_id: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+    def _claim_start(self, task_id: str, args: Sequence[Any], kwargs: Mapping[str, Any],
+                     request: Any) -> None:
         """Claim the running lock; skip the body of a duplicate; put off a concurrent copy of
-        this very message; end a redelivery of a call that already succeeded."""
+        this very message; end a redelivery of a call that already succeeded. ``request``:
+        ``self.request``, read once (each read looks up Celery's request stack)."""
         ahead = [claimed_ahead.take(task_id)]  # the claim sent before the ack, if any
-        handed = handover.pop_field(self.request)  # or the one a prefork main process made
+        handed = handover.pop_field(request)  # or the one a prefork main process made
         try:
-            self._claim_body(task_id, args, kwargs, ahead, handed)
+            self._claim_body(task_id, args, kwargs, request, ahead, handed)
         finally:
             if ahead[0] is not None:  # sent ahead, not read: never a lock without its body
                 claimed_ahead.abandon(task_id, ahead[0])
 
     def _claim_body(self, task_id: str, args: Sequence[Any], kwargs: Mapping[str, Any],
-                    ahead: list[tuple[str, Any, Any, int] | None], handed: Any = None) -> None:
+                    request: Any, ahead: list[tuple[str, Any, Any, int] | None],
+                    handed: Any = None) -> None:
         """:meth:`_claim_start`'s work; ``ahead[0]``, the claim sent ahead, is emptied when
         this claim reads it; ``handed``: the offer of a claim the worker's main process made
         (:mod:`.handover`), taken here if it is still offered for this call's lock (one not
         taken is given back by the main process when the request ends)."""
         super().before_start(task_id, args, kwargs)
-        request = self.request
         setattr(request, TRACED_ATTR, True)  # the tracer's call, not a direct one
         policy = self._dedup_policy
         if policy is None:
@@ -814,8 +816,8 @@ class DedupTask(Task):  # type: ignore[misc]
         if self._dedup_track_started and not request.is_eager:
             self._track_started(request)
         # left in task_postrun, which restores the identity of an enclosing execution
-        setattr(request, RUNNING_ATTR, running.enter(Running(
-            self.name, task_id, key, policy.ttl, redelivery=self._redelivery(policy))))
+        setattr(request, RUNNING_ATTR, running.enter_later(self._running, task_id, key,
+                                                                policy))
 
     def _track_started(self, request: Any) -> None:
         """STARTED in the result backend, as Celery's ``task_track_started`` writes it, but
@@ -844,6 +846,11 @@ class DedupTask(Task):  # type: ignore[misc]
                 len(carried) if isinstance(carried, str) else 0,
             )
         return key
+
+    def _running(self, task_id: str, key: str, policy: Policy) -> Running:
+        """The identity of this task's execution ``task_id`` (:func:`taskdedup.running.current`
+        makes it when asked)."""
+        return Running(self.name, task_id, key, policy.ttl, redelivery=self._redelivery(policy))
 
     def _redelivery(self, policy: Policy) -> float | None:
         """How long the broker may take to hand this message out again if its worker dies:

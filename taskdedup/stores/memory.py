@@ -66,6 +66,8 @@ def check_owner(owner: str) -> None:
     """Refuse an owner that cannot be stored: it must be a non-empty ``str``, and not one
     that reads as a compact owner (``~`` and 22 base64url characters: every reader would
     take it for the UUID it encodes, :mod:`taskdedup.stores.owners`)."""
+    if type(owner) is str and owner and owner[0] != COMPACT_MARK:
+        return  # the common case, first: this runs on every claim and completion
     if not isinstance(owner, str) or not owner:
         raise ValueError(f"owner must be a non-empty task id string, got {owner!r}")
     if owner[0] == COMPACT_MARK and looks_compact(owner):
@@ -76,6 +78,8 @@ def check_owner(owner: str) -> None:
 
 def check_ms(name: str, value: int, *, allow_zero: bool = False) -> None:
     """Refuse a duration that Redis would reject: a positive ``int`` (or 0 when allowed)."""
+    if type(value) is int and value > 0:
+        return  # the common case, first
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"{name} must be an int number of milliseconds, got {value!r}")
     if value < 0 or (value == 0 and not allow_zero):
