@@ -17,9 +17,6 @@ from .pids import ForkSafeLock
 __all__ = ["FOLD_AT", "Counters", "DedupEvent", "Event", "Events", "Fields", "Listener", "logger"]
 
 logger = logging.getLogger("taskdedup")
-
-FOLD_AT = 256
-"""Events an in-process counter keeps before it counts them (bounded memory between reads)."""
 # A library logs, the application decides where it goes: without this, Python's last-resort
 # handler would print our WARNINGs to stderr in apps that configured no logging. Levels:
 # DEBUG for each dropped, replaced or skipped duplicate (they are counted: watch the counts),
@@ -27,6 +24,9 @@ FOLD_AT = 256
 # configures no root logger: DedupWorker sends our records to its own output
 # (taskdedup.rq.logs).
 logger.addHandler(logging.NullHandler())
+
+FOLD_AT = 256
+"""Events an in-process counter keeps before it counts them (bounded memory between reads)."""
 
 
 class Event(StrEnum):
@@ -80,7 +80,7 @@ class DedupEvent:
 
 Listener = Callable[[DedupEvent], None]
 
-Fields = tuple[Event, str, str, "str | None", "str | None", "str | None", "float | None"]
+Fields = tuple[Event, str, str, str | None, str | None, str | None, float | None]
 """One event's fields, in :class:`DedupEvent`'s order: what a counting listener's ``tally``
 gets, with no event object made for it."""
 
@@ -131,7 +131,14 @@ class Events:
                seconds: float | None = None) -> None:
         """Emit one event from its fields (the core's hot path): a :class:`DedupEvent` is
         made only for listeners that take one."""
-        fields = (event, task, key, task_id, existing_id, detail, seconds)
+        self._send((event, task, key, task_id, existing_id, detail, seconds), None)
+
+    def emit(self, event: DedupEvent) -> None:
+        """Emit ``event`` to every listener."""
+        self._send((event.event, event.task, event.key, event.task_id, event.existing_id,
+                    event.detail, event.seconds), event)
+
+    def _send(self, fields: Fields, made: DedupEvent | None) -> None:
         for tally in self._tallies:
             try:
                 tally(fields)
@@ -139,27 +146,13 @@ class Events:
                 logger.exception("taskdedup event listener %r failed", tally)
         everywhere = Events._everywhere
         full = self._full + everywhere if everywhere else self._full
-        if full:
-            self._call(full, DedupEvent(*fields))
-
-    def emit(self, event: DedupEvent) -> None:
-        """Emit ``event`` to every listener."""
-        if self._tallies:
-            fields = (event.event, event.task, event.key, event.task_id, event.existing_id,
-                      event.detail, event.seconds)
-            for tally in self._tallies:
-                try:
-                    tally(fields)
-                except Exception:  # a listener must never break a task
-                    logger.exception("taskdedup event listener %r failed", tally)
-        everywhere = Events._everywhere
-        self._call(self._full + everywhere if everywhere else self._full, event)
-
-    @staticmethod
-    def _call(listeners: tuple[Listener, ...], event: DedupEvent) -> None:
-        for listener in listeners:
+        if not full:
+            return
+        if made is None:
+            made = DedupEvent(*fields)
+        for listener in full:
             try:
-                listener(event)
+                listener(made)
             except Exception:  # a listener must never break a task
                 logger.exception("taskdedup event listener %r failed", listener)
 
@@ -179,12 +172,15 @@ class Counters:
         self._seen: deque[tuple[str, Event]] = deque()
 
     def __call__(self, event: DedupEvent) -> None:
-        self.tally((event.event, event.task))
+        self._keep((event.task, event.event))
 
-    def tally(self, fields: Fields | tuple[Event, str]) -> None:
+    def tally(self, fields: Fields) -> None:
         """Count one event from its fields (:meth:`Events.record`)."""
+        self._keep((fields[1], fields[0]))
+
+    def _keep(self, counted: tuple[str, Event]) -> None:
         seen = self._seen
-        seen.append((fields[1], fields[0]))
+        seen.append(counted)
         if len(seen) >= FOLD_AT:
             with self._lock:
                 self._fold()

@@ -816,8 +816,8 @@ class DedupTask(Task):  # type: ignore[misc]
         if self._dedup_track_started and not request.is_eager:
             self._track_started(request)
         # left in task_postrun, which restores the identity of an enclosing execution
-        setattr(request, RUNNING_ATTR, running.enter_later(self._running, task_id, key,
-                                                                policy))
+        token = running.enter_later(self._running, task_id, key, policy)
+        setattr(request, RUNNING_ATTR, token)
 
     def _track_started(self, request: Any) -> None:
         """STARTED in the result backend, as Celery's ``task_track_started`` writes it, but
