@@ -221,8 +221,21 @@ def test_warm_shutdowns_at_random_moments_lose_nothing_and_copy_nothing(
             return any(worker.pool == "prefork" and node.startswith(f"{worker.node}@")
                        and -1.0 <= at - sigterm <= 3.0 for worker, sigterm in stopped)
 
-        assert {label: n for label, n in counts.items() if label in gated and n != 1} == {}, \
-            f"seed {seed}"
+        lease = fapp.gated._dedup_policy.lease
+
+        def back_after_its_tombstone(label: str) -> bool:
+            """The known gap (docs/explanation/lock-life.md, "Copies of one message"): a gated
+            call's first run ended on a stopping prefork worker that left its message unacked
+            (as above), and the message came back when that worker had finished stopping,
+            after the finished tombstone (one lease) had lapsed."""
+            runs = fapp.starts(label)
+            return (len(runs) == 2 and dropped_by_celery(label)
+                    and runs[1][1] - runs[0][1] > lease)
+
+        twice = {label: fapp.starts(label) for label, n in counts.items()
+                 if label in gated and n != 1}
+        assert {label: runs for label, runs in twice.items()
+                if not back_after_its_tombstone(label)} == {}, f"seed {seed}, stops {stopped}"
         assert {label: n for label, n in counts.items() if label not in gated and n != 1
                 and not (n == 2 and dropped_by_celery(label))} == {}, f"seed {seed}"
         wait_for(lambda: held(rc) == 0, timeout=10, what="every message acked")
