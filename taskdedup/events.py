@@ -1,6 +1,7 @@
 """A closed set of events, and listeners that observe them (metrics, logging, tests).
 
-The core emits one :class:`DedupEvent` per decision. Listeners run inline and must be cheap;
+The core emits one event per decision: a :class:`DedupEvent` to listeners that take one, its
+fields to those that only count (``tally``). Listeners run inline and must be cheap;
 an exception in a listener is logged and never reaches the task or the caller.
 """
 

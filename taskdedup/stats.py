@@ -145,8 +145,9 @@ _held_pid = 0
 class StatsRecorder:
     """Counts events per (task, field) in memory and flushes them to Redis from a thread.
 
-    The listener call takes a lock and bumps a ``Counter``: no I/O on the task's path. The
-    flush thread starts with the first event of each process (a new one after a fork).
+    The listener call appends the event's fields to a queue (no lock, no I/O on the task's
+    path); they are counted in batches. The flush thread starts with the first event of each
+    process (a new one after a fork).
 
     Args:
         client: the Redis client to write to (usually the store's).
@@ -207,13 +208,9 @@ class StatsRecorder:
 
     def _fold(self) -> None:
         """Count the kept events into the pending deltas (under ``_lock``)."""
-        raw: list[Fields] = []
+        # as many as are there now; one appended meanwhile waits for the next fold
         take = self._raw.popleft
-        try:
-            while True:
-                raw.append(take())
-        except IndexError:
-            pass
+        raw: list[Fields] = [take() for _ in range(len(self._raw))]
         sums: Counter[str] = Counter()
         kinds: Counter[tuple[str, Event, str | None, int]] = Counter()
         # most events carry no latency (a worker's): counted in one C pass
