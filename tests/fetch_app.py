@@ -20,6 +20,7 @@ from typing import Any
 
 from celery import Celery
 from celery.exceptions import Reject
+from celery.worker.request import Request
 from kombu.transport import redis as kombu_redis
 
 from taskdedup import Policy
@@ -171,6 +172,24 @@ def gated_lost_once(label: str) -> str:
     ``reject_on_worker_lost`` requeues the message, its lock still running by its id)."""
     if first_run(label):
         time.sleep(60)
+    return label
+
+
+class AckLost(Request):  # type: ignore[misc]
+    """A request whose message is never acked, as Celery's closing prefork pool leaves a job
+    it wrote to a pool process before it read that the process started it
+    (``AsynPool.flush``): the body runs, and the message stays held."""
+
+    def acknowledge(self) -> None:
+        r().rpush("fetch:ack-lost", self.id)
+
+
+@app.task(base=DedupTask, dedup=Policy(mode="until_executed", ttl=60, lease=2), bind=True,
+          Request=AckLost)
+def gated_ack_lost(self: Any, label: str) -> str:
+    """A gated body whose message is never acked (:class:`AckLost`), its lock's finished
+    tombstone living its 2 s lease."""
+    started(self, label)
     return label
 
 

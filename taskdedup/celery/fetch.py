@@ -27,7 +27,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from importlib.resources import files
 from queue import Empty
@@ -52,6 +52,7 @@ __all__ = [
     "ReliableFetch",
     "ReliableQoS",
     "requeue_orphans",
+    "sweep_while_stopping",
 ]
 
 DEFAULT_LEASE = 30.0
@@ -72,6 +73,13 @@ OPTIONS = (
 """The transport options of the reliable fetch (kombu sets them on the channel)."""
 
 _CHUNK = 500  # messages per requeue script
+SWEEP_EVERY = 0.5
+"""Seconds between two looks, while a worker stops, for held messages whose body already
+finished (:meth:`Fetcher.sweep`): well within the shortest tombstone worth having."""
+
+Finished = Callable[[Sequence[bytes]], Collection[bytes]]
+"""Which of the given held messages' gated bodies already finished (their lock says so by
+their own task id): :func:`taskdedup.celery.stopping.finished_among`."""
 
 
 def _lua(name: str) -> str:
@@ -139,6 +147,8 @@ class Fetcher:
         """Held by a renewal and by :meth:`release`: no renewal writes after the owner left."""
         self._client: redis.Redis | None = None
         self._scripts: dict[str, Script] = {}
+        self.finished: Finished | None = None
+        """Set while the worker stops (:func:`sweep_while_stopping`): :meth:`sweep` asks it."""
 
     def list_key(self, source: str) -> str:
         key = self._lists.get(source)
@@ -203,6 +213,26 @@ class Fetcher:
             moved += max(0, _requeue(self.script("requeue"), self.list_key(source), source,
                                      self.lease_key, raws, check_lease=False))
         return moved
+
+    def sweep(self) -> int:
+        """While the worker stops: take out of this owner's processing lists the messages whose
+        gated body already finished (:attr:`finished` says which), as their ack would have.
+        Celery's prefork pool, closing, drops a job it had not yet seen start and never acks
+        its message; put back once the worker has stopped, after the lock's tombstone lapsed,
+        it would run again (:mod:`taskdedup.celery.stopping`). Looks at the newest
+        :data:`_CHUNK` of each list (what was fetched last: what was running). Returns how
+        many it took out."""
+        finished = self.finished
+        if finished is None:
+            return 0
+        client = self.client()
+        taken = 0
+        for source in list(self._lists):
+            key = self.list_key(source)
+            raws: list[bytes] = client.lrange(key, 0, _CHUNK - 1)  # type: ignore[assignment]
+            for raw in finished(raws) if raws else ():
+                taken += int(client.lrem(key, 1, raw))  # type: ignore[arg-type]
+        return taken
 
     def beat(self) -> None:
         """Renew the lease, and the registry entry (a live worker may have cleared it while
@@ -403,6 +433,48 @@ def heartbeat() -> _Heartbeat:
     return beat
 
 
+def sweep_while_stopping(finished: Finished) -> None:
+    """The worker stops (its consumer stopped): from now until each of this process's owners
+    closes, every :data:`SWEEP_EVERY` seconds, and once more as it closes, take out of its
+    processing lists the messages ``finished`` says already ran (:meth:`Fetcher.sweep`)."""
+    with heartbeat().lock:
+        fetchers = [f for f in heartbeat().fetchers if not f.gone()]
+    if not fetchers:
+        return
+    for fetcher in fetchers:
+        fetcher.finished = finished
+    threading.Thread(target=_sweep_until_closed, args=(fetchers,), daemon=True,
+                     name="taskdedup-fetch-sweep").start()
+
+
+def _sweep_until_closed(fetchers: list[Fetcher]) -> None:
+    warned = False
+    while True:
+        fetchers = [f for f in fetchers if not f.gone()]
+        if not fetchers:
+            return
+        for fetcher in fetchers:
+            warned = not _sweep_logged(fetcher, warn=not warned) or warned
+        time.sleep(SWEEP_EVERY)
+
+
+def _sweep_logged(fetcher: Fetcher, warn: bool = True) -> bool:
+    """:meth:`Fetcher.sweep`, what it took out logged; False if it failed (said if ``warn``)."""
+    try:
+        taken = fetcher.sweep()
+    except Exception as exc:  # the broker or the lock store is away: the claim still decides
+        if warn:
+            logger.warning("taskdedup: the reliable fetch could not look for held messages "
+                           "whose body already ran (%s)", exc)
+        return False
+    if taken:
+        logger.info("taskdedup: %d held message(s) whose gated body already ran, left unacked "
+                    "by the closing pool, taken out of %s's processing lists as their ack "
+                    "would have (put back, they would run again once their lock's tombstone "
+                    "lapsed)", taken, fetcher.owner)
+    return True
+
+
 # -- kombu's channel and QoS -------------------------------------------------------------------
 
 
@@ -596,7 +668,8 @@ class ReliableFetch(_compat.Channel):
 
     def close(self) -> None:
         """Warm shutdown: read a pending wait's reply (a message it moved stays in the
-        processing list), put back what the worker holds (at the head of its queue, marked
+        processing list), take out what already ran (:meth:`Fetcher.sweep`, while the worker
+        stops), put back what the worker holds (at the head of its queue, marked
         redelivered) and whatever is left in its processing lists, leave the registry; then
         kombu's close (which restores what kombu's own fetch holds)."""
         fetcher = self._taskdedup_fetcher
@@ -613,6 +686,7 @@ class ReliableFetch(_compat.Channel):
             except Exception as exc:  # the broker went away: the lease will lapse
                 logger.debug("taskdedup: pending fetch unread at close: %s", exc)
         try:
+            _sweep_logged(fetcher)  # a body that finished after the last look
             qos = self._qos
             if qos is not None:
                 qos.requeue_held()

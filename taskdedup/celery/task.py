@@ -50,7 +50,7 @@ from ..policy import MAX_DURATION_MS, OnDuplicate, Policy, is_disabled
 from ..running import Running
 from ..stores.base import LockState, Outcome
 from ..stores.redis import may_have_run, refused
-from . import _compat, claims, eager, handover, holders
+from . import _compat, claims, eager, handover, holders, stopping
 from . import ahead as claimed_ahead
 from . import limits as task_limits
 from ._message import (
@@ -150,6 +150,7 @@ class DedupTask(Task):  # type: ignore[misc]
         super().on_bound(app)
         if cls._dedup_policy is not None:
             app.steps["consumer"].add(claimed_ahead.ClaimAhead)  # a set: once per app
+            app.steps["consumer"].add(stopping.SweepWhileStopping)
         if cls._dedup_policy is not None and app.configured:
             fuses(app)
         if cls._dedup_policy is not None and cls.track_started:

@@ -1,0 +1,99 @@
+"""Which held messages a stopping worker takes out (:mod:`taskdedup.celery.stopping`): those
+whose gated body already finished, by their lock read with their own task id; nothing else.
+With real workers: tests/test_celery_fetch_workers.py."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from celery import Celery
+from kombu.utils.json import dumps
+
+from taskdedup import Policy
+from taskdedup.celery import DedupTask, get_deduplicator
+from taskdedup.celery.stopping import finished_among
+from taskdedup.stores.memory import MemoryStore
+
+LEASE_MS = 60_000
+
+
+@pytest.fixture
+def app() -> Any:
+    app = Celery("stopping", set_as_current=False)
+    app.conf.update(taskdedup_store=MemoryStore(), taskdedup_stats=False)
+
+    @app.task(base=DedupTask, dedup=Policy(mode="until_executed", ttl=60), name="s.charge")
+    def charge(n: int) -> int:
+        return n
+
+    @app.task(base=DedupTask, dedup=Policy(mode="until_expired", ttl=60), name="s.report")
+    def report(n: int) -> int:
+        return n
+
+    @app.task(base=DedupTask, dedup=Policy(mode="until_executing", ttl=60), name="s.notify")
+    def notify(n: int) -> int:
+        return n
+
+    @app.task(name="s.plain")
+    def plain(n: int) -> int:
+        return n
+
+    return app
+
+
+def key(app: Any, name: str, n: int) -> str:
+    task = app.tasks[name]
+    return str(get_deduplicator(app).identity(name, task._dedup_policy, (n,), {},
+                                              func=task._func()).key)
+
+
+def raw(name: str, task_id: str, lock: str | None, eta: str | None = None) -> bytes:
+    """A message as kombu's Redis transport stores it (the headers are what is read)."""
+    headers: dict[str, Any] = {"task": name, "id": task_id, "eta": eta}
+    if lock is not None:
+        headers["taskdedup"] = {"task": name, "key": lock}
+    return str(dumps({"body": "W10=", "headers": headers, "content-type": "application/json",
+                      "properties": {"delivery_tag": uuid.uuid4().hex}})).encode()
+
+
+def ran_to(app: Any, lock: str, owner: str, *, done: bool = False) -> None:
+    """The body of ``owner`` ran and completed its lock: ``D`` (kept) or ``F`` (tombstone)."""
+    store = get_deduplicator(app).store
+    store.claim(lock, owner, LEASE_MS)
+    store.complete(lock, owner, LEASE_MS if done else 0, finished_ms=0 if done else LEASE_MS)
+
+
+def test_a_message_whose_body_finished_by_its_own_id_is_taken_and_nothing_else(
+    app: Any
+) -> None:
+    ids = {tag: str(uuid.uuid4()) for tag in "abcdefghij"}
+    lock = {n: key(app, "s.charge", n) for n in range(1, 8)}
+    ran_to(app, lock[1], ids["a"])  # F by a: ran
+    ran_to(app, key(app, "s.report", 1), ids["b"], done=True)  # D by b: ran
+    get_deduplicator(app).store.claim(lock[2], ids["c"], LEASE_MS)  # R by c: runs now
+    ran_to(app, lock[3], "someone-else")  # F by another id: a new call's to make
+    ran_to(app, lock[4], ids["e"])  # F by e, but e's message is a countdown still ahead
+    ran_to(app, lock[5], ids["f"])  # F by f, the message names another task's key
+    later = (datetime.now(UTC) + timedelta(hours=1)).isoformat()
+    earlier = (datetime.now(UTC) - timedelta(seconds=5)).isoformat()
+    ran_to(app, lock[6], ids["g"])  # F by g, its countdown already due
+    ran_to(app, key(app, "s.notify", 1), ids["h"], done=True)  # not gated at execution
+    messages = {
+        "a": raw("s.charge", ids["a"], lock[1]),
+        "b": raw("s.report", ids["b"], key(app, "s.report", 1)),
+        "c": raw("s.charge", ids["c"], lock[2]),
+        "d": raw("s.charge", ids["d"], lock[3]),
+        "e": raw("s.charge", ids["e"], lock[4], eta=later),
+        "f": raw("s.report", ids["f"], lock[5]),
+        "g": raw("s.charge", ids["g"], lock[6], eta=earlier),
+        "h": raw("s.notify", ids["h"], key(app, "s.notify", 1)),
+        "i": raw("s.plain", ids["i"], None),
+        "j": raw("s.charge", ids["j"], None),  # no key carried: not read
+        "x": b"not kombu's json",
+    }
+    taken = finished_among(app, list(messages.values()))
+    assert sorted(tag for tag, message in messages.items() if message in taken) == [
+        "a", "b", "g"]
