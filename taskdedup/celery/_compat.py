@@ -37,6 +37,11 @@ missing when a worker starts; the worker then keeps kombu's fetch and logs a WAR
 - ``Channel.close`` reading a pending ``BRPOP`` reply: kombu 5.6+ (the reliable fetch reads its
   own pending reply before, on every release).
 
+A stopping worker on kombu's fetch (:mod:`taskdedup.celery.stopping`) reads the messages its
+Redis channel holds unacked from the QoS's ``_delivered`` (:func:`held_unacked`; the reliable
+fetch's QoS reads it too) and acks one whose gated body already ran with ``QoS.ack``; without
+that record it does not look.
+
 The claim sent ahead on a solo worker (:class:`~taskdedup.celery.ahead.ClaimAhead`) wraps one
 channel's ``QoS.append(message, delivery_tag)`` (kombu's Redis ``QoS``, or the reliable
 fetch's subclass), where kombu records a received message unacked before Celery sees it:
@@ -387,6 +392,17 @@ def reliable_fetch_missing(channel: type[Any] = Channel) -> str | None:
     if "_brpop_start" not in register:
         return "kombu's poller does not start a BRPOP with the channel's _brpop_start"
     return None
+
+
+def held_unacked(channel: Any) -> Mapping[str, Any] | None:
+    """The messages a kombu Redis channel delivered and holds unacked, by delivery tag (its
+    virtual QoS's ``_delivered``: what kombu's fetch restores as the channel closes), for a
+    stopping worker to look at (:mod:`.stopping`); None for any other channel, or where kombu
+    keeps no such record (the look is then skipped)."""
+    if not isinstance(channel, Channel):
+        return None
+    delivered = getattr(getattr(channel, "qos", None), "_delivered", None)
+    return delivered if isinstance(delivered, Mapping) else None
 
 
 def _cycle_class(channel: type[Any]) -> Any:

@@ -51,8 +51,9 @@ __all__ = [
     "Fetcher",
     "ReliableFetch",
     "ReliableQoS",
+    "fetcher_of",
     "requeue_orphans",
-    "sweep_while_stopping",
+    "sweep_logged",
 ]
 
 DEFAULT_LEASE = 30.0
@@ -148,7 +149,8 @@ class Fetcher:
         self._client: redis.Redis | None = None
         self._scripts: dict[str, Script] = {}
         self.finished: Finished | None = None
-        """Set while the worker stops (:func:`sweep_while_stopping`): :meth:`sweep` asks it."""
+        """Set while the worker stops (:mod:`taskdedup.celery.stopping`): :meth:`sweep` asks
+        it, every look and once more as the channel closes."""
 
     def list_key(self, source: str) -> str:
         key = self._lists.get(source)
@@ -433,32 +435,13 @@ def heartbeat() -> _Heartbeat:
     return beat
 
 
-def sweep_while_stopping(finished: Finished) -> None:
-    """The worker stops (its consumer stopped): from now until each of this process's owners
-    closes, every :data:`SWEEP_EVERY` seconds, and once more as it closes, take out of its
-    processing lists the messages ``finished`` says already ran (:meth:`Fetcher.sweep`)."""
-    with heartbeat().lock:
-        fetchers = [f for f in heartbeat().fetchers if not f.gone()]
-    if not fetchers:
-        return
-    for fetcher in fetchers:
-        fetcher.finished = finished
-    threading.Thread(target=_sweep_until_closed, args=(fetchers,), daemon=True,
-                     name="taskdedup-fetch-sweep").start()
+def fetcher_of(channel: Any) -> Fetcher | None:
+    """The reliable fetch's owner of ``channel`` in this process, if it has fetched."""
+    fetcher = getattr(channel, "_taskdedup_fetcher", None)
+    return fetcher if isinstance(fetcher, Fetcher) and fetcher.pid == os.getpid() else None
 
 
-def _sweep_until_closed(fetchers: list[Fetcher]) -> None:
-    warned = False
-    while True:
-        fetchers = [f for f in fetchers if not f.gone()]
-        if not fetchers:
-            return
-        for fetcher in fetchers:
-            warned = not _sweep_logged(fetcher, warn=not warned) or warned
-        time.sleep(SWEEP_EVERY)
-
-
-def _sweep_logged(fetcher: Fetcher, warn: bool = True) -> bool:
+def sweep_logged(fetcher: Fetcher, warn: bool = True) -> bool:
     """:meth:`Fetcher.sweep`, what it took out logged; False if it failed (said if ``warn``)."""
     try:
         taken = fetcher.sweep()
@@ -686,7 +669,7 @@ class ReliableFetch(_compat.Channel):
             except Exception as exc:  # the broker went away: the lease will lapse
                 logger.debug("taskdedup: pending fetch unread at close: %s", exc)
         try:
-            _sweep_logged(fetcher)  # a body that finished after the last look
+            sweep_logged(fetcher)  # a body that finished after the last look
             qos = self._qos
             if qos is not None:
                 qos.requeue_held()

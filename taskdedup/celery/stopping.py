@@ -8,27 +8,34 @@ anyway, and nobody acks the message: the worker puts it back when it has finishe
 task still running). By then the lock's ``F`` tombstone, which tells this very message's copies
 from a new call, may have lapsed (it lives one lease): the body would run a second time.
 
-So, on the reliable fetch (SPEC §17), from the consumer's stop until its channel closes, and
-once more as it closes, the worker looks every :data:`~taskdedup.celery.fetch.SWEEP_EVERY`
-seconds at the messages it still holds: one whose lock is ``F`` or ``D`` by the message's own
-task id has run, and leaves the processing list as its ack would have. That is what its claim
-does with such a message on redelivery, done while the tombstone still says so. Only messages
-that carry their lock key (every call made through taskdedup) and are due (not a countdown
-still held) are read; one lock read each.
+So from the worker's SIGTERM (or its consumer's stop) until its channel closes, the worker
+looks every :data:`~taskdedup.celery.fetch.SWEEP_EVERY` seconds at the messages it still
+holds: one whose lock is ``F`` or ``D`` by the message's own task id has run, and is acked.
+On the reliable fetch (SPEC §17) it leaves the processing list
+(:meth:`~taskdedup.celery.fetch.Fetcher.sweep`, once more as the channel closes); on kombu's
+Redis fetch, kombu's unacked record (``QoS.ack``). That is what its claim does with such a
+message on redelivery, done while the tombstone still says so. Other transports (RabbitMQ) are
+not looked at: their channels are not safe to ack on from another thread. Only messages that
+carry their lock key (every call made through taskdedup) and are due (not a countdown still
+held) are read; one lock read each.
 """
 
 from __future__ import annotations
 
+import functools
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from celery import bootsteps
+from celery import bootsteps, signals
 from kombu.utils.json import loads as kombu_loads
 
 from ..core import Deduplicator
+from ..events import logger
 from ..stores.base import LockState
-from . import fetch
+from . import _compat, fetch
 from ._message import HEADER, carried_key
 from .config import get_deduplicator
 
@@ -44,35 +51,33 @@ def finished_among(app: Any, raws: Sequence[bytes]) -> list[bytes]:
     now = datetime.now(UTC)
     done = []
     for raw in raws:
-        found = _gated(app, dedup, raw, now)
-        if found is None:
+        try:
+            headers = kombu_loads(raw)["headers"]  # type: ignore[no-untyped-call]
+        except Exception:
             continue
-        task_id, key = found
-        info = dedup.store.get(key)
-        if info is not None and info.owner == task_id and info.state in _RAN:
+        if _ran(app, dedup, headers, now):
             done.append(raw)
     return done
 
 
-def _gated(app: Any, dedup: Deduplicator, raw: bytes, now: datetime) -> tuple[str, str] | None:
-    """``(task id, lock key)`` of a due message of an execution-gated task of ``app`` that
-    carries a key this task could have made; else None (nothing to read)."""
-    try:
-        headers = kombu_loads(raw)["headers"]  # type: ignore[no-untyped-call]
-    except Exception:
-        return None
+def _ran(app: Any, dedup: Deduplicator, headers: Any, now: datetime) -> bool:
+    """Whether the message with these headers is a due one of an execution-gated task of
+    ``app``, carries a key this task could have made, and its lock says its body finished."""
     if not isinstance(headers, Mapping):
-        return None
+        return False
     name, task_id = headers.get("task"), headers.get("id")
     if not isinstance(name, str) or not isinstance(task_id, str) or _later(headers.get("eta"),
                                                                            now):
-        return None
+        return False
     policy = getattr(app.tasks.get(name), "_dedup_policy", None)
     if policy is None or not policy.mode.gates_execution:
-        return None
+        return False
     carried = carried_key(headers.get(HEADER), name)
     key = None if carried is None else dedup.trusted_key(name, policy, carried)
-    return None if key is None else (task_id, key)
+    if key is None:
+        return False
+    info = dedup.store.get(key)
+    return info is not None and info.owner == task_id and info.state in _RAN
 
 
 def _later(eta: Any, now: datetime) -> bool:
@@ -89,16 +94,89 @@ def _later(eta: Any, now: datetime) -> bool:
     return when > now
 
 
+_shutting_down = [False]
+"""Set by ``worker_shutting_down``, which Celery sends from its signal handler: nothing else is
+done there (a lock taken in a signal handler can deadlock the main thread that holds it)."""
+
+
+def _on_shutting_down(**_: Any) -> None:
+    _shutting_down[0] = True
+
+
+signals.worker_shutting_down.connect(_on_shutting_down, weak=False)
+
+
+def _gone(channel: Any) -> bool:
+    return bool(channel.closed) or channel.connection is None
+
+
+def _watch(app: Any, channel: Any, stopped: threading.Event) -> None:
+    """Wait (a look every :data:`~taskdedup.celery.fetch.SWEEP_EVERY` s) until the worker
+    stops: its SIGTERM (Celery 5.3 stops the consumer only after the tasks it runs end) or the
+    consumer's stop (also a restart); then take out what ran, each look, until the channel
+    closes."""
+    while not (stopped.wait(fetch.SWEEP_EVERY) or _shutting_down[0]):
+        if _gone(channel):
+            return
+    fetcher = fetch.fetcher_of(channel)
+    if fetcher is not None:
+        fetcher.finished = functools.partial(finished_among, app)
+        warned = False
+        while not fetcher.gone():
+            warned = not fetch.sweep_logged(fetcher, warn=not warned) or warned
+            time.sleep(fetch.SWEEP_EVERY)
+        return
+    held = _compat.held_unacked(channel)
+    if held is not None:
+        _ack_what_ran(app, channel, held)
+
+
+def _ack_what_ran(app: Any, channel: Any, held: Mapping[str, Any]) -> None:
+    """kombu's fetch: until the channel closes, each look, ack the held messages whose gated
+    body already ran (``QoS.ack``: out of kombu's unacked hash, so neither its restore at close
+    nor another worker's restore by time puts them back)."""
+    dedup = get_deduplicator(app)
+    warned = False
+    acked: set[str] = set()  # kombu drops an acked tag from its record only at its next flush
+    while not _gone(channel):
+        now = datetime.now(UTC)
+        try:
+            for tag, message in list(held.items()):
+                if tag in acked:
+                    continue
+                if _ran(app, dedup, getattr(message, "headers", None), now):
+                    channel.qos.ack(tag)
+                    acked.add(tag)
+                    logger.info("taskdedup: %s[%s]'s gated body already ran, its message left "
+                                "unacked by the closing pool: acked as it stops (restored, it "
+                                "would run again once its lock's tombstone lapsed)",
+                                message.headers.get("task"), message.headers.get("id"))
+        except Exception as exc:  # the broker or the lock store is away: the claim decides
+            if not warned:
+                logger.warning("taskdedup: a stopping worker could not look for held messages "
+                               "whose body already ran (%s)", exc)
+            warned = True
+        time.sleep(fetch.SWEEP_EVERY)
+
+
 class SweepWhileStopping(bootsteps.StartStopStep):  # type: ignore[misc]
-    """Consumer bootstep: as the consumer stops, the reliable fetch's owners of this process
-    start taking out the held messages whose gated body already ran (see the module)."""
+    """Consumer bootstep: a thread per consumer start that, once the worker stops, takes out
+    the held messages whose gated body already ran (see the module): the reliable fetch's
+    processing lists, or kombu's fetch's record of what it holds unacked."""
 
     requires = ("celery.worker.consumer.tasks:Tasks",)
 
+    _stopped: threading.Event | None = None
+
+    def start(self, c: Any) -> None:
+        channel = getattr(getattr(c, "task_consumer", None), "channel", None)
+        if not isinstance(channel, _compat.Channel):
+            return  # RabbitMQ and others: not safe to ack on from another thread
+        _shutting_down[0] = False  # a worker started again in this process
+        self._stopped = threading.Event()
+        threading.Thread(target=_watch, args=(c.app, channel, self._stopped), daemon=True,
+                         name="taskdedup-stop-sweep").start()
+
     def stop(self, c: Any) -> None:
-        app = c.app
-
-        def finished(raws: Sequence[bytes]) -> list[bytes]:
-            return finished_among(app, raws)
-
-        fetch.sweep_while_stopping(finished)
+        if self._stopped is not None:
+            self._stopped.set()
