@@ -38,9 +38,10 @@ missing when a worker starts; the worker then keeps kombu's fetch and logs a WAR
   own pending reply before, on every release).
 
 A stopping worker on kombu's fetch (:mod:`taskdedup.celery.stopping`) reads the messages its
-Redis channel holds unacked from the QoS's ``_delivered`` (:func:`held_unacked`; the reliable
-fetch's QoS reads it too) and acks one whose gated body already ran with ``QoS.ack``; without
-that record it does not look.
+Redis channel holds unacked from the QoS's ``_delivered`` less its ``_dirty``
+(:func:`held_unacked`; the reliable fetch's QoS reads the first too), and acks one whose gated
+body already ran as ``QoS.ack`` does, with a pipeline of its own given to
+``_remove_from_indices`` (:func:`ack_held`); without those it does not look.
 
 The claim sent ahead on a solo worker (:class:`~taskdedup.celery.ahead.ClaimAhead`) wraps one
 channel's ``QoS.append(message, delivery_tag)`` (kombu's Redis ``QoS``, or the reliable
@@ -394,15 +395,37 @@ def reliable_fetch_missing(channel: type[Any] = Channel) -> str | None:
     return None
 
 
-def held_unacked(channel: Any) -> Mapping[str, Any] | None:
-    """The messages a kombu Redis channel delivered and holds unacked, by delivery tag (its
-    virtual QoS's ``_delivered``: what kombu's fetch restores as the channel closes), for a
-    stopping worker to look at (:mod:`.stopping`); None for any other channel, or where kombu
-    keeps no such record (the look is then skipped)."""
-    if not isinstance(channel, Channel):
+def held_unacked(channel: Any) -> Callable[[], list[tuple[str, Any]]] | None:
+    """What a kombu Redis channel holds unacked, for a stopping worker to look at
+    (:mod:`.stopping`): a callable that lists ``(delivery tag, message)`` now, from its virtual
+    QoS's ``_delivered`` (what kombu's fetch restores as the channel closes) less ``_dirty``
+    (acked, not yet dropped from it). None for any other channel, or where kombu keeps no such
+    record (the look is then skipped)."""
+    if not isinstance(channel, Channel) or not callable(
+            getattr(RedisQoS, "_remove_from_indices", None)):
         return None
-    delivered = getattr(getattr(channel, "qos", None), "_delivered", None)
-    return delivered if isinstance(delivered, Mapping) else None
+    qos = getattr(channel, "qos", None)
+    delivered, dirty = getattr(qos, "_delivered", None), getattr(qos, "_dirty", None)
+    if not isinstance(delivered, Mapping) or not isinstance(dirty, set):
+        return None
+
+    def unacked() -> list[tuple[str, Any]]:
+        return [(tag, message) for tag, message in list(delivered.items())
+                if tag not in dirty]
+
+    return unacked
+
+
+def ack_held(channel: Any, delivery_tag: str) -> None:
+    """Ack a message kombu's Redis fetch holds (:func:`held_unacked`), from a thread other
+    than the consumer's: its unacked record removed in a pipeline of its own (never the QoS's
+    ``pipe_or_acquire``, on which the consumer's thread may be carrying a claim), then kombu's
+    bookkeeping (``QoS.ack``'s own two steps)."""
+    qos = channel.qos
+    with channel.conn_or_acquire() as client:
+        RedisQoS._remove_from_indices(  # type: ignore[no-untyped-call]
+            qos, delivery_tag, client.pipeline()).execute()
+    VirtualQoS.ack(qos, delivery_tag)  # type: ignore[no-untyped-call]
 
 
 def _cycle_class(channel: type[Any]) -> Any:

@@ -451,10 +451,10 @@ def sweep_logged(fetcher: Fetcher, warn: bool = True) -> bool:
                            "whose body already ran (%s)", exc)
         return False
     if taken:
-        logger.info("taskdedup: %d held message(s) whose gated body already ran, left unacked "
-                    "by the closing pool, taken out of %s's processing lists as their ack "
-                    "would have (put back, they would run again once their lock's tombstone "
-                    "lapsed)", taken, fetcher.owner)
+        logger.info("taskdedup: %d held message(s) whose gated body already ran, not acked yet "
+                    "as the worker stops, taken out of %s's processing lists as their ack "
+                    "would (Celery's closing pool can leave one unacked; put back, it would run "
+                    "again once its lock's tombstone lapsed)", taken, fetcher.owner)
     return True
 
 

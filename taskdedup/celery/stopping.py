@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -131,25 +131,22 @@ def _watch(app: Any, channel: Any, stopped: threading.Event) -> None:
         _ack_what_ran(app, channel, held)
 
 
-def _ack_what_ran(app: Any, channel: Any, held: Mapping[str, Any]) -> None:
+def _ack_what_ran(app: Any, channel: Any, held: Callable[[], list[tuple[str, Any]]]) -> None:
     """kombu's fetch: until the channel closes, each look, ack the held messages whose gated
-    body already ran (``QoS.ack``: out of kombu's unacked hash, so neither its restore at close
-    nor another worker's restore by time puts them back)."""
+    body already ran (:func:`~taskdedup.celery._compat.ack_held`: out of kombu's unacked hash,
+    so neither its restore at close nor another worker's restore by time puts them back)."""
     dedup = get_deduplicator(app)
     warned = False
-    acked: set[str] = set()  # kombu drops an acked tag from its record only at its next flush
     while not _gone(channel):
         now = datetime.now(UTC)
         try:
-            for tag, message in list(held.items()):
-                if tag in acked:
-                    continue
+            for tag, message in held():
                 if _ran(app, dedup, getattr(message, "headers", None), now):
-                    channel.qos.ack(tag)
-                    acked.add(tag)
-                    logger.info("taskdedup: %s[%s]'s gated body already ran, its message left "
-                                "unacked by the closing pool: acked as it stops (restored, it "
-                                "would run again once its lock's tombstone lapsed)",
+                    _compat.ack_held(channel, tag)
+                    logger.info("taskdedup: %s[%s]'s gated body already ran, its message "
+                                "not acked yet as the worker stops: acked (Celery's closing "
+                                "pool can leave one unacked; restored, it would run again "
+                                "once its lock's tombstone lapsed)",
                                 message.headers.get("task"), message.headers.get("id"))
         except Exception as exc:  # the broker or the lock store is away: the claim decides
             if not warned:
