@@ -97,3 +97,22 @@ def test_a_message_whose_body_finished_by_its_own_id_is_taken_and_nothing_else(
     taken = finished_among(app, list(messages.values()))
     assert sorted(tag for tag, message in messages.items() if message in taken) == [
         "a", "b", "g"]
+
+
+def test_what_kombus_channel_holds_leaves_out_what_celery_acked(redis_url: str) -> None:
+    """kombu's fetch: the look reads the QoS's record of delivered messages less those acked
+    and not yet dropped from it; any other channel is not looked at."""
+    from kombu import Connection
+
+    from taskdedup.celery import _compat
+
+    with Connection(redis_url) as conn:
+        channel = conn.default_channel
+        held = _compat.held_unacked(channel)
+        assert held is not None and held() == []
+        channel.qos._delivered.update(a="A", b="B")  # what kombu's append records
+        channel.qos._dirty.add("a")  # what QoS.ack marks
+        assert held() == [("b", "B")]
+        channel.qos._delivered.clear()
+        channel.qos._dirty.clear()
+    assert _compat.held_unacked(object()) is None
