@@ -53,7 +53,6 @@ __all__ = [
     "ReliableQoS",
     "fetcher_of",
     "requeue_orphans",
-    "sweep_logged",
 ]
 
 DEFAULT_LEASE = 30.0
@@ -234,6 +233,11 @@ class Fetcher:
             raws: list[bytes] = client.lrange(key, 0, _CHUNK - 1)  # type: ignore[assignment]
             for raw in finished(raws) if raws else ():
                 taken += int(client.lrem(key, 1, raw))  # type: ignore[arg-type]
+        if taken:
+            logger.info("taskdedup: %d held message(s) whose gated body already ran, not acked "
+                        "yet as the worker stops, taken out of %s's processing lists as their "
+                        "ack would (Celery's closing pool can leave one unacked; put back, it "
+                        "would run again once its lock's tombstone lapsed)", taken, self.owner)
         return taken
 
     def beat(self) -> None:
@@ -441,21 +445,12 @@ def fetcher_of(channel: Any) -> Fetcher | None:
     return fetcher if isinstance(fetcher, Fetcher) and fetcher.pid == os.getpid() else None
 
 
-def sweep_logged(fetcher: Fetcher, warn: bool = True) -> bool:
-    """:meth:`Fetcher.sweep`, what it took out logged; False if it failed (said if ``warn``)."""
+def _sweep_at_close(fetcher: Fetcher) -> None:
     try:
-        taken = fetcher.sweep()
+        fetcher.sweep()
     except Exception as exc:  # the broker or the lock store is away: the claim still decides
-        if warn:
-            logger.warning("taskdedup: the reliable fetch could not look for held messages "
-                           "whose body already ran (%s)", exc)
-        return False
-    if taken:
-        logger.info("taskdedup: %d held message(s) whose gated body already ran, not acked yet "
-                    "as the worker stops, taken out of %s's processing lists as their ack "
-                    "would (Celery's closing pool can leave one unacked; put back, it would run "
-                    "again once its lock's tombstone lapsed)", taken, fetcher.owner)
-    return True
+        logger.warning("taskdedup: the reliable fetch could not look for held messages whose "
+                       "body already ran as it closed (%s)", exc)
 
 
 # -- kombu's channel and QoS -------------------------------------------------------------------
@@ -669,7 +664,7 @@ class ReliableFetch(_compat.Channel):
             except Exception as exc:  # the broker went away: the lease will lapse
                 logger.debug("taskdedup: pending fetch unread at close: %s", exc)
         try:
-            sweep_logged(fetcher)  # a body that finished after the last look
+            _sweep_at_close(fetcher)  # a body that finished after the last look
             qos = self._qos
             if qos is not None:
                 qos.requeue_held()

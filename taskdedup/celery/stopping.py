@@ -118,42 +118,46 @@ def _watch(app: Any, channel: Any, stopped: threading.Event) -> None:
     while not (stopped.wait(fetch.SWEEP_EVERY) or _shutting_down[0]):
         if _gone(channel):
             return
-    fetcher = fetch.fetcher_of(channel)
-    if fetcher is not None:
-        fetcher.finished = functools.partial(finished_among, app)
-        warned = False
-        while not fetcher.gone():
-            warned = not fetch.sweep_logged(fetcher, warn=not warned) or warned
-            time.sleep(fetch.SWEEP_EVERY)
+    look = _look(app, channel)
+    if look is None:
         return
-    held = _compat.held_unacked(channel)
-    if held is not None:
-        _ack_what_ran(app, channel, held)
-
-
-def _ack_what_ran(app: Any, channel: Any, held: Callable[[], list[tuple[str, Any]]]) -> None:
-    """kombu's fetch: until the channel closes, each look, ack the held messages whose gated
-    body already ran (:func:`~taskdedup.celery._compat.ack_held`: out of kombu's unacked hash,
-    so neither its restore at close nor another worker's restore by time puts them back)."""
-    dedup = get_deduplicator(app)
     warned = False
     while not _gone(channel):
-        now = datetime.now(UTC)
         try:
-            for tag, message in held():
-                if _ran(app, dedup, getattr(message, "headers", None), now):
-                    _compat.ack_held(channel, tag)
-                    logger.info("taskdedup: %s[%s]'s gated body already ran, its message "
-                                "not acked yet as the worker stops: acked (Celery's closing "
-                                "pool can leave one unacked; restored, it would run again "
-                                "once its lock's tombstone lapsed)",
-                                message.headers.get("task"), message.headers.get("id"))
+            look()
         except Exception as exc:  # the broker or the lock store is away: the claim decides
             if not warned:
                 logger.warning("taskdedup: a stopping worker could not look for held messages "
                                "whose body already ran (%s)", exc)
             warned = True
         time.sleep(fetch.SWEEP_EVERY)
+
+
+def _look(app: Any, channel: Any) -> Callable[[], Any] | None:
+    """One look at what ``channel`` holds: the reliable fetch's :meth:`~.fetch.Fetcher.sweep`
+    (which then also looks as the channel closes), else one over kombu's record (None: kombu
+    keeps none this module can read)."""
+    fetcher = fetch.fetcher_of(channel)
+    if fetcher is not None:
+        fetcher.finished = functools.partial(finished_among, app)
+        return fetcher.sweep
+    held = _compat.held_unacked(channel)
+    return None if held is None else functools.partial(_ack_what_ran, app, channel, held)
+
+
+def _ack_what_ran(app: Any, channel: Any, held: Callable[[], list[tuple[str, Any]]]) -> None:
+    """kombu's fetch: ack the held messages whose gated body already ran
+    (:func:`~taskdedup.celery._compat.ack_held`: out of kombu's unacked hash, so neither its
+    restore at close nor another worker's restore by time puts them back)."""
+    dedup = get_deduplicator(app)
+    now = datetime.now(UTC)
+    for tag, message in held():
+        if _ran(app, dedup, getattr(message, "headers", None), now):
+            _compat.ack_held(channel, tag)
+            logger.info("taskdedup: %s[%s]'s gated body already ran, its message not acked yet "
+                        "as the worker stops: acked (Celery's closing pool can leave one "
+                        "unacked; restored, it would run again once its lock's tombstone "
+                        "lapsed)", message.headers.get("task"), message.headers.get("id"))
 
 
 class SweepWhileStopping(bootsteps.StartStopStep):  # type: ignore[misc]
