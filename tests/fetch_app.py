@@ -184,11 +184,11 @@ class AckLost(Request):  # type: ignore[misc]
         r().rpush("fetch:ack-lost", self.id)
 
 
-@app.task(base=DedupTask, dedup=Policy(mode="until_executed", ttl=60, lease=2), bind=True,
+@app.task(base=DedupTask, dedup=Policy(mode="until_executed", ttl=60, lease=3), bind=True,
           Request=AckLost)
 def gated_ack_lost(self: Any, label: str) -> str:
     """A gated body whose message is never acked (:class:`AckLost`), its lock's finished
-    tombstone living its 2 s lease."""
+    tombstone living its 3 s lease."""
     started(self, label)
     return label
 

@@ -245,7 +245,7 @@ def test_a_stopping_worker_takes_out_a_message_that_ran_but_was_never_acked(
     """Celery's closing prefork pool can drop a job a pool process has already started
     (``AsynPool.flush``): the body runs and its message is never acked (here, every time:
     ``tests.fetch_app.AckLost``). The worker stops only once its running tasks end (here, a
-    5 s one), after the gated call's finished tombstone (its 2 s lease) lapsed; put back then,
+    6 s one), after the gated call's finished tombstone (its 3 s lease) lapsed; put back then,
     the message would run again (CI, 2026-12-07). The stopping worker takes it out while the
     tombstone still says it ran (out of its processing list on the reliable fetch, out of
     kombu's unacked hash on kombu's): nothing is put back, and the body runs once."""
@@ -256,7 +256,7 @@ def test_a_stopping_worker_takes_out_a_message_that_ran_but_was_never_acked(
         redis_url, queue=queue, fetch=fetch, pool="prefork", concurrency=2).start()]
     try:
         slow = name("slow")
-        fapp.work.apply_async((slow, 5.0), queue=queue)
+        fapp.work.apply_async((slow, 6.0), queue=queue)
         wait_for(lambda: ran(rc, slow) == 1, timeout=20, what="the slow task started")
         label = name("g")
         handle = task.apply_async((label,), queue=queue)
@@ -268,9 +268,13 @@ def test_a_stopping_worker_takes_out_a_message_that_ran_but_was_never_acked(
                 info.owner == handle.id)
 
         wait_for(finished, timeout=20, interval=0.05, what="the gated body finished")
-        assert handle.id.encode() in rc.lrange("fetch:ack-lost", 0, -1)  # never acked
-        workers[0].warm_stop()  # waits for the slow task: about 4 s
-        assert dedup.store.get(key) is None  # the tombstone lapsed while the worker stopped
+        # the parent records the lost ack once the pool returned the result: after the child
+        # wrote the tombstone, so wait for it rather than read it at once (CI, 2026-12-07)
+        wait_for(lambda: handle.id.encode() in rc.lrange("fetch:ack-lost", 0, -1),
+                 timeout=10, interval=0.05, what="the message was left unacked")
+        workers[0].warm_stop()  # waits for the slow task: a few seconds
+        # by the time a restarted worker could take a message put back, the tombstone is gone
+        wait_for(lambda: dedup.store.get(key) is None, timeout=10, what="the tombstone lapsed")
         assert (rc.llen(queue), held(rc), unacked(rc)) == (0, 0, 0), "what ran was put back"
         assert "gated body already ran" in workers[0].output()
         workers.append(FetchWorker(
