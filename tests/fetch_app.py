@@ -20,6 +20,7 @@ from typing import Any
 
 from celery import Celery
 from celery.exceptions import Reject
+from celery.worker import state as worker_state
 from celery.worker.request import Request
 from kombu.transport import redis as kombu_redis
 
@@ -176,11 +177,15 @@ def gated_lost_once(label: str) -> str:
 
 
 class AckLost(Request):  # type: ignore[misc]
-    """A request whose message is never acked, as Celery's closing prefork pool leaves a job
-    it wrote to a pool process before it read that the process started it
-    (``AsynPool.flush``): the body runs, and the message stays held."""
+    """A request whose outcome the main process never takes, as Celery's closing prefork
+    pool leaves a job it wrote to a pool process before it read that the process started it
+    (``AsynPool.flush``): the body runs, and the message stays held and unacked, the request
+    in Celery's ``state.requests``."""
 
     def acknowledge(self) -> None:
+        # a discarded job's callbacks never run: Celery's task_ready (which ran just before
+        # this) is undone, and no ack goes out
+        worker_state.requests[self.id] = self
         r().rpush("fetch:ack-lost", self.id)
 
 

@@ -116,3 +116,49 @@ def test_what_kombus_channel_holds_leaves_out_what_celery_acked(redis_url: str) 
         channel.qos._delivered.clear()
         channel.qos._dirty.clear()
     assert _compat.held_unacked(object()) is None
+
+
+class _Message:
+    """A py-amqp message as Celery's request holds it: its headers, acked or not."""
+
+    def __init__(self, headers: dict[str, Any], acknowledged: bool = False) -> None:
+        self.headers, self.acknowledged, self.acks = headers, acknowledged, 0
+
+    def ack(self) -> None:
+        self.acknowledged, self.acks = True, self.acks + 1
+
+
+def test_other_transports_note_the_held_requests_that_ran_and_ack_them_at_shutdown(
+    app: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RabbitMQ: the looks read Celery's held requests and ack nothing (py-amqp is not safe
+    to ack on from another thread); what they noted while the tombstone said it ran is acked
+    by the step's shutdown, on the consumer's thread, even once the tombstone lapsed. A
+    request whose body did not finish, or whose message Celery acked, is left alone."""
+    from types import SimpleNamespace
+
+    from celery.worker import state
+
+    from taskdedup.celery.stopping import _gone, _Noted
+
+    ids = {tag: str(uuid.uuid4()) for tag in "abc"}
+    lock = {n: key(app, "s.charge", n) for n in range(1, 4)}
+    ran_to(app, lock[1], ids["a"])
+    get_deduplicator(app).store.claim(lock[2], ids["b"], LEASE_MS)  # running
+    ran_to(app, lock[3], ids["c"])
+    messages = {tag: _Message({"task": "s.charge", "id": ids[tag], "taskdedup": {
+        "task": "s.charge", "key": lock[n]}}, acknowledged=tag == "c")
+        for n, tag in enumerate("abc", 1)}
+    monkeypatch.setattr(state, "requests", {
+        ids[tag]: SimpleNamespace(message=message) for tag, message in messages.items()})
+    noted = _Noted(app)
+    noted.look()
+    assert {m.acks for m in messages.values()} == {0}  # nothing acked off the consumer's thread
+    get_deduplicator(app).store.clear()  # the tombstones lapsed during the stop
+    noted.ack()
+    assert {tag: m.acks for tag, m in messages.items()} == {"a": 1, "b": 0, "c": 0}
+    assert noted.done.is_set()
+    # py-amqp's channel says is_open, kombu's closed
+    assert _gone(SimpleNamespace(is_open=False, connection=object()))
+    assert not _gone(SimpleNamespace(is_open=True, connection=object()))
+    assert _gone(SimpleNamespace(closed=False, connection=None))

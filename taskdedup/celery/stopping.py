@@ -14,10 +14,13 @@ holds: one whose lock is ``F`` or ``D`` by the message's own task id has run, an
 On the reliable fetch (SPEC §17) it leaves the processing list
 (:meth:`~taskdedup.celery.fetch.Fetcher.sweep`, once more as the channel closes); on kombu's
 Redis fetch, kombu's unacked record (``QoS.ack``). That is what its claim does with such a
-message on redelivery, done while the tombstone still says so. Other transports (RabbitMQ) are
-not looked at: their channels are not safe to ack on from another thread. Only messages that
-carry their lock key (every call made through taskdedup) and are due (not a countdown still
-held) are read; one lock read each.
+message on redelivery, done while the tombstone still says so. Other transports (RabbitMQ)
+put a held message back when the worker's connection closes, and their channels are not safe
+to ack on from another thread: there the looks only note the requests Celery still holds
+(``celery.worker.state.requests``) whose body ran, and the step's ``shutdown`` acks them on the
+main thread, after the pool stopped and before the connection closes (:class:`_Noted`). Only
+messages that carry their lock key (every call made through taskdedup) and are due (not a
+countdown still held) are read; one lock read each.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from celery import bootsteps, signals
+from celery.worker import state as worker_state
 from kombu.utils.json import loads as kombu_loads
 
 from ..core import Deduplicator
@@ -107,22 +111,28 @@ signals.worker_shutting_down.connect(_on_shutting_down, weak=False)
 
 
 def _gone(channel: Any) -> bool:
-    return bool(channel.closed) or channel.connection is None
+    """Whether ``channel`` closed: kombu's virtual channels say ``closed``, py-amqp's
+    ``is_open``; both drop their connection."""
+    closed = getattr(channel, "closed", None)
+    if closed is None:
+        closed = not getattr(channel, "is_open", True)
+    return bool(closed) or getattr(channel, "connection", None) is None
 
 
-def _watch(app: Any, channel: Any, stopped: threading.Event) -> None:
+def _watch(app: Any, channel: Any, stopped: threading.Event,
+           look: Callable[[], Any] | None = None, done: threading.Event | None = None) -> None:
     """Wait (a look every :data:`~taskdedup.celery.fetch.SWEEP_EVERY` s) until the worker
     stops: its SIGTERM (Celery 5.3 stops the consumer only after the tasks it runs end) or the
-    consumer's stop (also a restart); then take out what ran, each look, until the channel
-    closes."""
+    consumer's stop (also a restart); then take out what ran (``look``, else the channel's
+    own: :func:`_look`), each look, until the channel closes or ``done`` is set."""
     while not (stopped.wait(fetch.SWEEP_EVERY) or _shutting_down[0]):
-        if _gone(channel):
+        if _gone(channel) or (done is not None and done.is_set()):
             return
-    look = _look(app, channel)
+    look = look or _look(app, channel)
     if look is None:
         return
     warned = False
-    while not _gone(channel):
+    while not (_gone(channel) or (done is not None and done.is_set())):
         try:
             look()
         except Exception as exc:  # the broker or the lock store is away: the claim decides
@@ -154,30 +164,93 @@ def _ack_what_ran(app: Any, channel: Any, held: Callable[[], list[tuple[str, Any
     for tag, message in held():
         if _ran(app, dedup, getattr(message, "headers", None), now):
             _compat.ack_held(channel, tag)
-            logger.info("taskdedup: %s[%s]'s gated body already ran, its message not acked yet "
-                        "as the worker stops: acked (Celery's closing pool can leave one "
-                        "unacked; restored, it would run again once its lock's tombstone "
-                        "lapsed)", message.headers.get("task"), message.headers.get("id"))
+            _acked(message.headers.get("task"), message.headers.get("id"))
+
+
+class _Noted:
+    """Other transports (RabbitMQ): the requests Celery still holds whose message is unacked
+    and whose gated body ran, noted by the looks from another thread (reading Celery's
+    ``state.requests``, acking nothing), then acked by :meth:`ack` on the consumer's own
+    thread, after the pool stopped and before the connection closes (which would put them
+    back). The looks keep what they saw while the tombstone said so: a stop that waits for a
+    long task can outlive it."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.ran: dict[int, Any] = {}  # id(message) -> (task, id, message)
+        self.done = threading.Event()
+
+    def look(self) -> None:
+        """Note the held requests whose body ran (any thread)."""
+        dedup = get_deduplicator(self.app)
+        now = datetime.now(UTC)
+        for request in list(worker_state.requests.values()):
+            message = getattr(request, "message", None)
+            if message is None or id(message) in self.ran or getattr(
+                    message, "acknowledged", True):
+                continue
+            headers: Any = getattr(message, "headers", None)
+            if _ran(self.app, dedup, headers, now):
+                self.ran[id(message)] = (headers.get("task"), headers.get("id"), message)
+
+    def ack(self) -> None:
+        """On the consumer's thread: a last look, then ack what ran. Never raises."""
+        self.done.set()
+        try:
+            self.look()
+        except Exception as exc:  # the lock store is away: what the looks saw still counts
+            logger.warning("taskdedup: a stopping worker could not look for held messages "
+                           "whose body already ran (%s)", exc)
+        noted, self.ran = list(self.ran.values()), {}
+        for name, task_id, message in noted:
+            if message.acknowledged:
+                continue
+            try:
+                message.ack()
+            except Exception as exc:  # the connection is gone: the claim decides
+                logger.warning("taskdedup: could not ack %s[%s], whose gated body already "
+                               "ran, as the worker stops (%s)", name, task_id, exc)
+                continue
+            _acked(name, task_id)
+
+
+def _acked(name: Any, task_id: Any) -> None:
+    logger.info("taskdedup: %s[%s]'s gated body already ran, its message not acked yet as the "
+                "worker stops: acked (Celery's closing pool can leave one unacked; put back, "
+                "it would run again once its lock's tombstone lapsed)", name, task_id)
 
 
 class SweepWhileStopping(bootsteps.StartStopStep):  # type: ignore[misc]
     """Consumer bootstep: a thread per consumer start that, once the worker stops, takes out
     the held messages whose gated body already ran (see the module): the reliable fetch's
-    processing lists, or kombu's fetch's record of what it holds unacked."""
+    processing lists, kombu's Redis fetch's record of what it holds unacked, or (other
+    transports) the requests Celery holds, acked at the consumer's ``shutdown``."""
 
     requires = ("celery.worker.consumer.tasks:Tasks",)
 
     _stopped: threading.Event | None = None
+    _noted: _Noted | None = None
 
     def start(self, c: Any) -> None:
         channel = getattr(getattr(c, "task_consumer", None), "channel", None)
-        if not isinstance(channel, _compat.Channel):
-            return  # RabbitMQ and others: not safe to ack on from another thread
+        if channel is None:
+            return
         _shutting_down[0] = False  # a worker started again in this process
         self._stopped = threading.Event()
-        threading.Thread(target=_watch, args=(c.app, channel, self._stopped), daemon=True,
-                         name="taskdedup-stop-sweep").start()
+        look, done = None, None
+        if not isinstance(channel, _compat.Channel):  # not safe to ack on from another thread
+            self._noted = noted = _Noted(c.app)
+            look, done = noted.look, noted.done
+        threading.Thread(target=_watch, args=(c.app, channel, self._stopped, look, done),
+                         daemon=True, name="taskdedup-stop-sweep").start()
 
     def stop(self, c: Any) -> None:
         if self._stopped is not None:
             self._stopped.set()
+
+    def shutdown(self, c: Any) -> None:
+        """The worker's last step before the consumer's channel and connection close (its
+        pool stopped): ack what the looks noted (other transports than Redis)."""
+        noted, self._noted = self._noted, None
+        if noted is not None:
+            noted.ack()

@@ -1,0 +1,99 @@
+"""A stopping worker on a RabbitMQ broker acks a message whose gated body ran but was never
+acked (taskdedup/celery/stopping.py): RabbitMQ puts every unacked message back when the
+worker's connection closes, and by then the lock's tombstone may have lapsed. Needs Debian's
+``rabbitmq-server`` (CI installs it: noxfile.py); skipped without it elsewhere."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from kombu import Connection
+
+from benchmarks.rabbitmq import RabbitMQ, find_rabbitmq
+from taskdedup.celery import get_deduplicator
+from taskdedup.stores.base import LockState
+from taskdedup.testing import wait_for
+from tests.fetch_workers import FetchWorker, ran
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def rabbit() -> Iterator[RabbitMQ]:
+    binary = find_rabbitmq()
+    if binary is None:
+        message = "RabbitMQ is not installed (apt-get install rabbitmq-server)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    with RabbitMQ(binary) as node:
+        yield node
+
+
+@pytest.fixture
+def aapp(redis_url: str, rabbit: RabbitMQ, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """``tests.fetch_app`` publishing to RabbitMQ, its locks and results in the test Redis."""
+    from tests import fetch_app
+
+    monkeypatch.setenv("TASKDEDUP_URL", redis_url)
+    fetch_app.configure(redis_url, "fetch")
+    fetch_app.app.conf.broker_url = rabbit.url
+    yield fetch_app
+    fetch_app.configure(redis_url, "fetch")  # the Redis broker again, for the next module
+
+
+def waiting(url: str, queue: str) -> int:
+    """Messages ready in ``queue`` on RabbitMQ (what a stopping worker put back included)."""
+    with Connection(url) as conn:
+        return int(conn.default_channel.queue_declare(queue=queue, passive=True).message_count)
+
+
+def test_a_stopping_worker_on_rabbitmq_acks_a_message_that_ran_but_was_never_acked(
+    aapp: Any, rc: redis.Redis, redis_url: str, rabbit: RabbitMQ
+) -> None:
+    """As tests/test_celery_fetch_workers.py's test of the same name on Redis: Celery's closing
+    prefork pool can drop a job a pool process already started (``tests.fetch_app.AckLost``
+    makes it happen every time), the body runs and its message stays unacked; the worker stops
+    only once its 6 s task ends, after the gated call's tombstone (its 3 s lease) lapsed.
+    RabbitMQ puts the unacked message back as the connection closes, and it would run again.
+    The stopping worker notes it while the tombstone says it ran and acks it on the main
+    thread before the connection closes: nothing is put back, and the body runs once."""
+    queue = f"acklost-{uuid.uuid4().hex[:8]}"
+    env = {"TASKDEDUP_TEST_BROKER_URL": rabbit.url, "TASKDEDUP_URL": redis_url}
+    task = aapp.gated_ack_lost
+    dedup = get_deduplicator(aapp.app)
+    workers = [FetchWorker(redis_url, queue=queue, fetch="kombu", pool="prefork",
+                           concurrency=2, env=env).start()]
+    try:
+        slow = f"slow-{uuid.uuid4().hex[:8]}"
+        aapp.work.apply_async((slow, 6.0), queue=queue)
+        wait_for(lambda: ran(rc, slow) == 1, timeout=20, what="the slow task started")
+        label = f"g-{uuid.uuid4().hex[:8]}"
+        handle = task.apply_async((label,), queue=queue)
+        key = dedup.identity(task.name, task._dedup_policy, (label,), {}, func=task._func()).key
+
+        def finished() -> bool:
+            info = dedup.store.get(key)
+            return info is not None and info.state is LockState.FINISHED and (
+                info.owner == handle.id)
+
+        wait_for(finished, timeout=20, interval=0.05, what="the gated body finished")
+        wait_for(lambda: handle.id.encode() in rc.lrange("fetch:ack-lost", 0, -1),
+                 timeout=10, interval=0.05, what="the message was left unacked")
+        workers[0].warm_stop()  # waits for the slow task: a few seconds
+        wait_for(lambda: dedup.store.get(key) is None, timeout=10, what="the tombstone lapsed")
+        assert waiting(rabbit.url, queue) == 0, "what ran was put back"
+        assert "gated body already ran" in workers[0].output()
+        workers.append(FetchWorker(redis_url, queue=queue, fetch="kombu", pool="prefork",
+                                   concurrency=2, env=env).start())
+        after = f"after-{uuid.uuid4().hex[:8]}"  # behind anything put back
+        assert aapp.work.apply_async((after,), queue=queue).get(timeout=30) == after
+        assert ran(rc, label) == 1 and ran(rc, slow) == 1
+    finally:
+        for worker in workers:
+            worker.stop()
