@@ -238,9 +238,10 @@ def test_warm_shutdowns_at_random_moments_lose_nothing_and_copy_nothing(
             worker.stop()
 
 
-@pytest.mark.parametrize("fetch", ["reliable", "kombu"])
+@pytest.mark.parametrize("fetch,by_name", [("reliable", False), ("kombu", False),
+                                           ("reliable", True)])
 def test_a_stopping_worker_takes_out_a_message_that_ran_but_was_never_acked(
-    fapp: Any, rc: redis.Redis, redis_url: str, fetch: str
+    fapp: Any, rc: redis.Redis, redis_url: str, fetch: str, by_name: bool
 ) -> None:
     """Celery's closing prefork pool can drop a job a pool process has already started
     (``AsynPool.flush``): the body runs and its message is never acked (here, every time:
@@ -248,7 +249,8 @@ def test_a_stopping_worker_takes_out_a_message_that_ran_but_was_never_acked(
     6 s one), after the gated call's finished tombstone (its 3 s lease) lapsed; put back then,
     the message would run again (CI, 2026-12-07). The stopping worker takes it out while the
     tombstone still says it ran (out of its processing list on the reliable fetch, out of
-    kombu's unacked hash on kombu's): nothing is put back, and the body runs once."""
+    kombu's unacked hash on kombu's): nothing is put back, and the body runs once. A call
+    sent by name (``send_task``: no lock key in its header) is told by its arguments' lock."""
     queue = name("acklost")
     task = fapp.gated_ack_lost
     dedup = get_deduplicator(fapp.app)
@@ -259,7 +261,8 @@ def test_a_stopping_worker_takes_out_a_message_that_ran_but_was_never_acked(
         fapp.work.apply_async((slow, 6.0), queue=queue)
         wait_for(lambda: ran(rc, slow) == 1, timeout=20, what="the slow task started")
         label = name("g")
-        handle = task.apply_async((label,), queue=queue)
+        handle = (fapp.app.send_task(task.name, (label,), queue=queue) if by_name
+                  else task.apply_async((label,), queue=queue))
         key = dedup.identity(task.name, task._dedup_policy, (label,), {}, func=task._func()).key
 
         def finished() -> bool:

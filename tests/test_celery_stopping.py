@@ -4,6 +4,7 @@ With real workers: tests/test_celery_fetch_workers.py."""
 
 from __future__ import annotations
 
+import base64
 import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -50,13 +51,18 @@ def key(app: Any, name: str, n: int) -> str:
                                               func=task._func()).key)
 
 
-def raw(name: str, task_id: str, lock: str | None, eta: str | None = None) -> bytes:
-    """A message as kombu's Redis transport stores it (the headers are what is read)."""
+def raw(name: str, task_id: str, lock: str | None, eta: str | None = None,
+        args: tuple[Any, ...] | None = None) -> bytes:
+    """A message as kombu's Redis transport stores it: the headers, and a body (Celery's
+    protocol 2) read only for a message that carries no key this task could have made."""
     headers: dict[str, Any] = {"task": name, "id": task_id, "eta": eta}
     if lock is not None:
         headers["taskdedup"] = {"task": name, "key": lock}
-    return str(dumps({"body": "W10=", "headers": headers, "content-type": "application/json",
-                      "properties": {"delivery_tag": uuid.uuid4().hex}})).encode()
+    body = [list(args), {}, {}] if args is not None else []
+    return str(dumps({
+        "body": base64.b64encode(str(dumps(body)).encode()).decode(), "headers": headers,
+        "content-type": "application/json", "content-encoding": "utf-8",
+        "properties": {"delivery_tag": uuid.uuid4().hex, "body_encoding": "base64"}})).encode()
 
 
 def ran_to(app: Any, lock: str, owner: str, *, done: bool = False) -> None:
@@ -69,8 +75,8 @@ def ran_to(app: Any, lock: str, owner: str, *, done: bool = False) -> None:
 def test_a_message_whose_body_finished_by_its_own_id_is_taken_and_nothing_else(
     app: Any
 ) -> None:
-    ids = {tag: str(uuid.uuid4()) for tag in "abcdefghij"}
-    lock = {n: key(app, "s.charge", n) for n in range(1, 8)}
+    ids = {tag: str(uuid.uuid4()) for tag in "abcdefghijklmn"}
+    lock = {n: key(app, "s.charge", n) for n in range(1, 12)}
     ran_to(app, lock[1], ids["a"])  # F by a: ran
     ran_to(app, key(app, "s.report", 1), ids["b"], done=True)  # D by b: ran
     get_deduplicator(app).store.claim(lock[2], ids["c"], LEASE_MS)  # R by c: runs now
@@ -91,12 +97,22 @@ def test_a_message_whose_body_finished_by_its_own_id_is_taken_and_nothing_else(
         "g": raw("s.charge", ids["g"], lock[6], eta=earlier),
         "h": raw("s.notify", ids["h"], key(app, "s.notify", 1)),
         "i": raw("s.plain", ids["i"], None),
-        "j": raw("s.charge", ids["j"], None),  # no key carried: not read
+        "j": raw("s.charge", ids["j"], None),  # no key, no arguments to make it from
+        # sent by name (no key carried): its lock is the identity of its arguments
+        "k": raw("s.charge", ids["k"], None, args=(8,)),
+        # a forged key: the arguments' lock is read, not the key's
+        "l": raw("s.charge", ids["l"], "taskdedup:forged", args=(9,)),
+        "m": raw("s.charge", ids["m"], None, args=(10,)),  # its lock R: it runs
+        "n": raw("s.charge", ids["n"], None, args=(11,)),  # its lock F by another id
         "x": b"not kombu's json",
     }
+    ran_to(app, lock[8], ids["k"])
+    ran_to(app, lock[9], ids["l"])
+    get_deduplicator(app).store.claim(lock[10], ids["m"], LEASE_MS)
+    ran_to(app, lock[11], "someone-else")
     taken = finished_among(app, list(messages.values()))
     assert sorted(tag for tag, message in messages.items() if message in taken) == [
-        "a", "b", "g"]
+        "a", "b", "g", "k", "l"]
 
 
 def test_what_kombus_channel_holds_leaves_out_what_celery_acked(redis_url: str) -> None:
@@ -149,14 +165,20 @@ def test_other_transports_note_the_held_requests_that_ran_and_ack_them_at_shutdo
     messages = {tag: _Message({"task": "s.charge", "id": ids[tag], "taskdedup": {
         "task": "s.charge", "key": lock[n]}}, acknowledged=tag == "c")
         for n, tag in enumerate("abc", 1)}
-    monkeypatch.setattr(state, "requests", {
-        ids[tag]: SimpleNamespace(message=message) for tag, message in messages.items()})
+    requests: dict[str, Any] = {ids[tag]: SimpleNamespace(message=message, args=(), kwargs={})
+                                for tag, message in messages.items()}
+    # sent by name: no key in the header, its lock the identity of the request's arguments
+    by_name = _Message({"task": "s.charge", "id": str(uuid.uuid4())})
+    ran_to(app, key(app, "s.charge", 4), by_name.headers["id"])
+    requests[by_name.headers["id"]] = SimpleNamespace(message=by_name, args=(4,), kwargs={})
+    monkeypatch.setattr(state, "requests", requests)
     noted = _Noted(app)
     noted.look()
     assert {m.acks for m in messages.values()} == {0}  # nothing acked off the consumer's thread
     get_deduplicator(app).store.clear()  # the tombstones lapsed during the stop
     noted.ack()
     assert {tag: m.acks for tag, m in messages.items()} == {"a": 1, "b": 0, "c": 0}
+    assert by_name.acks == 1
     assert noted.done.is_set()
     # py-amqp's channel says is_open, kombu's closed
     assert _gone(SimpleNamespace(is_open=False, connection=object()))

@@ -53,8 +53,9 @@ def waiting(url: str, queue: str) -> int:
         return int(conn.default_channel.queue_declare(queue=queue, passive=True).message_count)
 
 
+@pytest.mark.parametrize("by_name", [False, True])
 def test_a_stopping_worker_on_rabbitmq_acks_a_message_that_ran_but_was_never_acked(
-    aapp: Any, rc: redis.Redis, redis_url: str, rabbit: RabbitMQ
+    aapp: Any, rc: redis.Redis, redis_url: str, rabbit: RabbitMQ, by_name: bool
 ) -> None:
     """As tests/test_celery_fetch_workers.py's test of the same name on Redis: Celery's closing
     prefork pool can drop a job a pool process already started (``tests.fetch_app.AckLost``
@@ -62,7 +63,8 @@ def test_a_stopping_worker_on_rabbitmq_acks_a_message_that_ran_but_was_never_ack
     only once its 6 s task ends, after the gated call's tombstone (its 3 s lease) lapsed.
     RabbitMQ puts the unacked message back as the connection closes, and it would run again.
     The stopping worker notes it while the tombstone says it ran and acks it on the main
-    thread before the connection closes: nothing is put back, and the body runs once."""
+    thread before the connection closes: nothing is put back, and the body runs once. A call
+    sent by name (``send_task``: no lock key in its header) is told by its arguments' lock."""
     queue = f"acklost-{uuid.uuid4().hex[:8]}"
     env = {"TASKDEDUP_TEST_BROKER_URL": rabbit.url, "TASKDEDUP_URL": redis_url}
     task = aapp.gated_ack_lost
@@ -74,7 +76,8 @@ def test_a_stopping_worker_on_rabbitmq_acks_a_message_that_ran_but_was_never_ack
         aapp.work.apply_async((slow, 6.0), queue=queue)
         wait_for(lambda: ran(rc, slow) == 1, timeout=20, what="the slow task started")
         label = f"g-{uuid.uuid4().hex[:8]}"
-        handle = task.apply_async((label,), queue=queue)
+        handle = (aapp.app.send_task(task.name, (label,), queue=queue) if by_name
+                  else task.apply_async((label,), queue=queue))
         key = dedup.identity(task.name, task._dedup_policy, (label,), {}, func=task._func()).key
 
         def finished() -> bool:

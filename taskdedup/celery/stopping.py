@@ -19,12 +19,14 @@ put a held message back when the worker's connection closes, and their channels 
 to ack on from another thread: there the looks only note the requests Celery still holds
 (``celery.worker.state.requests``) whose body ran, and the step's ``shutdown`` acks them on the
 main thread, after the pool stopped and before the connection closes (:class:`_Noted`). Only
-messages that carry their lock key (every call made through taskdedup) and are due (not a
-countdown still held) are read; one lock read each.
+messages that are due (not a countdown still held) are read, one lock read each: the key the
+message carries (every call made through taskdedup), else (sent by name) the identity of its
+arguments, as its claim computes it.
 """
 
 from __future__ import annotations
 
+import base64
 import functools
 import threading
 import time
@@ -34,13 +36,14 @@ from typing import Any
 
 from celery import bootsteps, signals
 from celery.worker import state as worker_state
+from kombu import serialization as kombu_serialization
 from kombu.utils.json import loads as kombu_loads
 
 from ..core import Deduplicator
 from ..events import logger
 from ..stores.base import LockState
 from . import _compat, fetch
-from ._message import HEADER, carried_key
+from ._message import HEADER, carried_key, is_off
 from .config import get_deduplicator
 
 __all__ = ["SweepWhileStopping", "finished_among"]
@@ -56,32 +59,79 @@ def finished_among(app: Any, raws: Sequence[bytes]) -> list[bytes]:
     done = []
     for raw in raws:
         try:
-            headers = kombu_loads(raw)["headers"]  # type: ignore[no-untyped-call]
+            payload = kombu_loads(raw)  # type: ignore[no-untyped-call]
+            headers = payload["headers"]
         except Exception:
             continue
-        if _ran(app, dedup, headers, now):
+        if _ran(app, dedup, headers, now, functools.partial(_stored_arguments, app, payload)):
             done.append(raw)
     return done
 
 
-def _ran(app: Any, dedup: Deduplicator, headers: Any, now: datetime) -> bool:
+Arguments = Callable[[], "tuple[Sequence[Any], Mapping[str, Any]] | None"]
+"""The call's arguments, decoded when a look needs them (a message without its lock key)."""
+
+
+def _ran(app: Any, dedup: Deduplicator, headers: Any, now: datetime,
+         arguments: Arguments | None = None) -> bool:
     """Whether the message with these headers is a due one of an execution-gated task of
-    ``app``, carries a key this task could have made, and its lock says its body finished."""
+    ``app`` and its lock says its body finished. The lock is the key the message carries
+    when this task could have made it; else (sent by name, or a forged key) the identity of
+    its ``arguments``, as the claim computes it."""
     if not isinstance(headers, Mapping):
         return False
     name, task_id = headers.get("task"), headers.get("id")
     if not isinstance(name, str) or not isinstance(task_id, str) or _later(headers.get("eta"),
                                                                            now):
         return False
-    policy = getattr(app.tasks.get(name), "_dedup_policy", None)
+    task = app.tasks.get(name)
+    policy = getattr(task, "_dedup_policy", None)
     if policy is None or not policy.mode.gates_execution:
         return False
-    carried = carried_key(headers.get(HEADER), name)
+    raw = headers.get(HEADER)
+    if is_off(raw, name):
+        return False
+    carried = carried_key(raw, name)
     key = None if carried is None else dedup.trusted_key(name, policy, carried)
     if key is None:
-        return False
+        called = arguments() if arguments is not None else None
+        if called is None:
+            return False
+        key = dedup.identity(name, policy, called[0], called[1], func=task._func()).key
     info = dedup.store.get(key)
     return info is not None and info.owner == task_id and info.state in _RAN
+
+
+def _stored_arguments(app: Any, payload: Any) -> tuple[Sequence[Any], Mapping[str, Any]] | None:
+    """The arguments of a message as kombu's Redis transport stores it (Celery's message
+    protocol 2), decoded with the app's accepted content types; None if they cannot be."""
+    try:
+        body = payload["body"]
+        if payload.get("properties", {}).get("body_encoding") == "base64":
+            body = base64.b64decode(body)
+        accept = kombu_serialization.prepare_accept_content(  # type: ignore[no-untyped-call]
+            app.conf.accept_content)
+        decoded = kombu_serialization.loads(  # type: ignore[no-untyped-call]
+            body, payload.get("content-type"), payload.get("content-encoding"), accept=accept)
+        return _protocol_2(decoded)
+    except Exception:
+        return None
+
+
+def _protocol_2(decoded: Any) -> tuple[Sequence[Any], Mapping[str, Any]] | None:
+    """``(args, kwargs)`` of a protocol 2 body (``[args, kwargs, embed]``), else None."""
+    if isinstance(decoded, (list, tuple)) and len(decoded) == 3 and isinstance(
+            decoded[0], (list, tuple)) and isinstance(decoded[1], Mapping):
+        return decoded[0], decoded[1]
+    return None
+
+
+def _message_arguments(message: Any) -> tuple[Sequence[Any], Mapping[str, Any]] | None:
+    """The arguments of a kombu ``Message`` (its body decoded as kombu decodes it)."""
+    try:
+        return _protocol_2(message.decode())
+    except Exception:
+        return None
 
 
 def _later(eta: Any, now: datetime) -> bool:
@@ -162,7 +212,8 @@ def _ack_what_ran(app: Any, channel: Any, held: Callable[[], list[tuple[str, Any
     dedup = get_deduplicator(app)
     now = datetime.now(UTC)
     for tag, message in held():
-        if _ran(app, dedup, getattr(message, "headers", None), now):
+        if _ran(app, dedup, getattr(message, "headers", None), now,
+                functools.partial(_message_arguments, message)):
             _compat.ack_held(channel, tag)
             _acked(message.headers.get("task"), message.headers.get("id"))
 
@@ -190,7 +241,8 @@ class _Noted:
                     message, "acknowledged", True):
                 continue
             headers: Any = getattr(message, "headers", None)
-            if _ran(self.app, dedup, headers, now):
+            if _ran(self.app, dedup, headers, now, functools.partial(_request_arguments,
+                                                                     request)):
                 self.ran[id(message)] = (headers.get("task"), headers.get("id"), message)
 
     def ack(self) -> None:
@@ -212,6 +264,14 @@ class _Noted:
                                "ran, as the worker stops (%s)", name, task_id, exc)
                 continue
             _acked(name, task_id)
+
+
+def _request_arguments(request: Any) -> tuple[Sequence[Any], Mapping[str, Any]] | None:
+    """The arguments of a request Celery holds (decoded when it was received)."""
+    args, kwargs = getattr(request, "args", None), getattr(request, "kwargs", None)
+    if isinstance(args, (list, tuple)) and isinstance(kwargs, Mapping):
+        return args, kwargs
+    return None
 
 
 def _acked(name: Any, task_id: Any) -> None:
