@@ -104,6 +104,7 @@ def test_a_message_whose_body_finished_by_its_own_id_is_taken_and_nothing_else(
         "l": raw("s.charge", ids["l"], "taskdedup:forged", args=(9,)),
         "m": raw("s.charge", ids["m"], None, args=(10,)),  # its lock R: it runs
         "n": raw("s.charge", ids["n"], None, args=(11,)),  # its lock F by another id
+        "o": raw("s.charge", ids["n"], None, args=(1, 2)),  # arguments it does not take
         "x": b"not kombu's json",
     }
     ran_to(app, lock[8], ids["k"])

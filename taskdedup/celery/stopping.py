@@ -97,7 +97,10 @@ def _ran(app: Any, dedup: Deduplicator, headers: Any, now: datetime,
         called = arguments() if arguments is not None else None
         if called is None:
             return False
-        key = dedup.identity(name, policy, called[0], called[1], func=task._func()).key
+        try:
+            key = dedup.identity(name, policy, called[0], called[1], func=task._func()).key
+        except Exception:  # arguments the claim refuses too: no lock to read
+            return False
     info = dedup.store.get(key)
     return info is not None and info.owner == task_id and info.state in _RAN
 
