@@ -236,9 +236,12 @@ class _Noted:
 
     def look(self) -> None:
         """Note the held requests whose body ran (any thread)."""
+        held = list(worker_state.requests.values())
+        if not held:
+            return
         dedup = get_deduplicator(self.app)
         now = datetime.now(UTC)
-        for request in list(worker_state.requests.values()):
+        for request in held:
             message = getattr(request, "message", None)
             if message is None or id(message) in self.ran or getattr(
                     message, "acknowledged", True):
