@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import os
 import subprocess
+import uuid
 from collections.abc import Iterable
+from typing import Any
 
 import redis
 
 from taskdedup import processing
+from taskdedup.celery import get_deduplicator
+from taskdedup.stores.base import LockState
 from taskdedup.testing import wait_for
 from tests.workers import ROOT, CeleryWorker
 
@@ -73,3 +77,35 @@ def unacked(rc: redis.Redis) -> int:
 def ran(rc: redis.Redis, label: str) -> int:
     """How many times ``label``'s body ran."""
     return int(rc.llen(f"fetch:ran:{label}"))
+
+
+def lose_an_ack_and_stop(fapp: Any, rc: redis.Redis, worker: FetchWorker, queue: str,
+                         by_name: bool) -> tuple[str, str]:
+    """Have ``worker`` (prefork -c 2) run a gated call whose message is never acked
+    (``tests.fetch_app.AckLost``, as Celery's closing pool leaves one) beside a 6 s task,
+    warm-stop it (the stop waits for that task), and wait until the call's tombstone (its
+    3 s lease) lapsed: a message put back now would run again. ``by_name``: sent with
+    ``send_task`` (no lock key in its header). The two labels: ``(gated, slow)``."""
+    task = fapp.gated_ack_lost
+    dedup = get_deduplicator(fapp.app)
+    slow = f"slow-{uuid.uuid4().hex[:8]}"
+    fapp.work.apply_async((slow, 6.0), queue=queue)
+    wait_for(lambda: ran(rc, slow) == 1, timeout=20, what="the slow task started")
+    label = f"g-{uuid.uuid4().hex[:8]}"
+    handle = (fapp.app.send_task(task.name, (label,), queue=queue) if by_name
+              else task.apply_async((label,), queue=queue))
+    key = dedup.identity(task.name, task._dedup_policy, (label,), {}, func=task._func()).key
+
+    def finished() -> bool:
+        info = dedup.store.get(key)
+        return info is not None and info.state is LockState.FINISHED and info.owner == handle.id
+
+    wait_for(finished, timeout=20, interval=0.05, what="the gated body finished")
+    # the main process records the lost ack once the pool returned the result, after the
+    # child wrote the tombstone: wait for it rather than read it at once (CI, 2026-12-07)
+    wait_for(lambda: handle.id.encode() in rc.lrange("fetch:ack-lost", 0, -1),
+             timeout=10, interval=0.05, what="the message was left unacked")
+    worker.warm_stop()
+    # by the time a restarted worker could take a message put back, the tombstone is gone
+    wait_for(lambda: dedup.store.get(key) is None, timeout=10, what="the tombstone lapsed")
+    return label, slow

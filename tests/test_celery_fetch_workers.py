@@ -26,10 +26,16 @@ import pytest
 import redis
 
 from taskdedup import processing
-from taskdedup.celery import get_deduplicator
-from taskdedup.stores.base import LockState
 from taskdedup.testing import wait_for
-from tests.fetch_workers import PREFIX, FetchWorker, held, ran, start_all, unacked
+from tests.fetch_workers import (
+    PREFIX,
+    FetchWorker,
+    held,
+    lose_an_ack_and_stop,
+    ran,
+    start_all,
+    unacked,
+)
 from tests.workers import stored_result
 
 pytestmark = pytest.mark.slow
@@ -252,32 +258,10 @@ def test_a_stopping_worker_takes_out_a_message_that_ran_but_was_never_acked(
     kombu's unacked hash on kombu's): nothing is put back, and the body runs once. A call
     sent by name (``send_task``: no lock key in its header) is told by its arguments' lock."""
     queue = name("acklost")
-    task = fapp.gated_ack_lost
-    dedup = get_deduplicator(fapp.app)
     workers: list[FetchWorker] = [FetchWorker(
         redis_url, queue=queue, fetch=fetch, pool="prefork", concurrency=2).start()]
     try:
-        slow = name("slow")
-        fapp.work.apply_async((slow, 6.0), queue=queue)
-        wait_for(lambda: ran(rc, slow) == 1, timeout=20, what="the slow task started")
-        label = name("g")
-        handle = (fapp.app.send_task(task.name, (label,), queue=queue) if by_name
-                  else task.apply_async((label,), queue=queue))
-        key = dedup.identity(task.name, task._dedup_policy, (label,), {}, func=task._func()).key
-
-        def finished() -> bool:
-            info = dedup.store.get(key)
-            return info is not None and info.state is LockState.FINISHED and (
-                info.owner == handle.id)
-
-        wait_for(finished, timeout=20, interval=0.05, what="the gated body finished")
-        # the parent records the lost ack once the pool returned the result: after the child
-        # wrote the tombstone, so wait for it rather than read it at once (CI, 2026-12-07)
-        wait_for(lambda: handle.id.encode() in rc.lrange("fetch:ack-lost", 0, -1),
-                 timeout=10, interval=0.05, what="the message was left unacked")
-        workers[0].warm_stop()  # waits for the slow task: a few seconds
-        # by the time a restarted worker could take a message put back, the tombstone is gone
-        wait_for(lambda: dedup.store.get(key) is None, timeout=10, what="the tombstone lapsed")
+        label, slow = lose_an_ack_and_stop(fapp, rc, workers[0], queue, by_name)
         assert (rc.llen(queue), held(rc), unacked(rc)) == (0, 0, 0), "what ran was put back"
         assert "gated body already ran" in workers[0].output()
         workers.append(FetchWorker(

@@ -15,10 +15,7 @@ import redis
 from kombu import Connection
 
 from benchmarks.rabbitmq import RabbitMQ, find_rabbitmq
-from taskdedup.celery import get_deduplicator
-from taskdedup.stores.base import LockState
-from taskdedup.testing import wait_for
-from tests.fetch_workers import FetchWorker, ran
+from tests.fetch_workers import FetchWorker, lose_an_ack_and_stop, ran
 
 pytestmark = pytest.mark.slow
 
@@ -67,29 +64,10 @@ def test_a_stopping_worker_on_rabbitmq_acks_a_message_that_ran_but_was_never_ack
     sent by name (``send_task``: no lock key in its header) is told by its arguments' lock."""
     queue = f"acklost-{uuid.uuid4().hex[:8]}"
     env = {"TASKDEDUP_TEST_BROKER_URL": rabbit.url, "TASKDEDUP_URL": redis_url}
-    task = aapp.gated_ack_lost
-    dedup = get_deduplicator(aapp.app)
     workers = [FetchWorker(redis_url, queue=queue, fetch="kombu", pool="prefork",
                            concurrency=2, env=env).start()]
     try:
-        slow = f"slow-{uuid.uuid4().hex[:8]}"
-        aapp.work.apply_async((slow, 6.0), queue=queue)
-        wait_for(lambda: ran(rc, slow) == 1, timeout=20, what="the slow task started")
-        label = f"g-{uuid.uuid4().hex[:8]}"
-        handle = (aapp.app.send_task(task.name, (label,), queue=queue) if by_name
-                  else task.apply_async((label,), queue=queue))
-        key = dedup.identity(task.name, task._dedup_policy, (label,), {}, func=task._func()).key
-
-        def finished() -> bool:
-            info = dedup.store.get(key)
-            return info is not None and info.state is LockState.FINISHED and (
-                info.owner == handle.id)
-
-        wait_for(finished, timeout=20, interval=0.05, what="the gated body finished")
-        wait_for(lambda: handle.id.encode() in rc.lrange("fetch:ack-lost", 0, -1),
-                 timeout=10, interval=0.05, what="the message was left unacked")
-        workers[0].warm_stop()  # waits for the slow task: a few seconds
-        wait_for(lambda: dedup.store.get(key) is None, timeout=10, what="the tombstone lapsed")
+        label, slow = lose_an_ack_and_stop(aapp, rc, workers[0], queue, by_name)
         assert waiting(rabbit.url, queue) == 0, "what ran was put back"
         assert "gated body already ran" in workers[0].output()
         workers.append(FetchWorker(redis_url, queue=queue, fetch="kombu", pool="prefork",
