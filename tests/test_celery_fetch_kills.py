@@ -33,7 +33,15 @@ import redis
 from taskdedup import processing
 from taskdedup.testing import wait_for
 from tests.fault_jobs import report
-from tests.fetch_workers import PREFIX, FetchWorker, held, ran, start_all, unacked
+from tests.fetch_workers import (
+    PREFIX,
+    FetchWorker,
+    clear_processing,
+    held,
+    ran,
+    start_all,
+    unacked,
+)
 
 SOAK = int(os.environ.get("TASKDEDUP_SOAK_FETCH", "0") or "0")
 KILLS = SOAK or 24
@@ -50,6 +58,7 @@ def fapp(redis_url: str, rc: redis.Redis) -> Any:
     from tests import fetch_app
 
     fetch_app.configure(redis_url, "fetch")
+    clear_processing(rc)
     return fetch_app
 
 

@@ -30,6 +30,7 @@ from taskdedup.testing import wait_for
 from tests.fetch_workers import (
     PREFIX,
     FetchWorker,
+    clear_processing,
     held,
     lose_an_ack_and_stop,
     ran,
@@ -48,6 +49,7 @@ def fapp(redis_url: str, rc: redis.Redis) -> Any:
     from tests import fetch_app
 
     fetch_app.configure(redis_url, "fetch")
+    clear_processing(rc)
     return fetch_app
 
 
