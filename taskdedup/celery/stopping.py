@@ -233,9 +233,14 @@ class _Noted:
         self.app = app
         self.ran: dict[int, Any] = {}  # id(message) -> (task, id, message)
         self.done = threading.Event()
+        self._looking = threading.Lock()  # a look of the watcher's ends before the last one
 
     def look(self) -> None:
         """Note the held requests whose body ran (any thread)."""
+        with self._looking:
+            self._look()
+
+    def _look(self) -> None:
         held = list(worker_state.requests.values())
         if not held:
             return
@@ -254,12 +259,13 @@ class _Noted:
     def ack(self) -> None:
         """On the consumer's thread: a last look, then ack what ran. Never raises."""
         self.done.set()
-        try:
-            self.look()
-        except Exception as exc:  # the lock store is away: what the looks saw still counts
-            logger.warning("taskdedup: a stopping worker could not look for held messages "
-                           "whose body already ran (%s)", exc)
-        noted, self.ran = list(self.ran.values()), {}
+        with self._looking:
+            try:
+                self._look()
+            except Exception as exc:  # the lock store is away: what the looks saw counts
+                logger.warning("taskdedup: a stopping worker could not look for held "
+                               "messages whose body already ran (%s)", exc)
+            noted = list(self.ran.values())
         for name, task_id, message in noted:
             if message.acknowledged:
                 continue
